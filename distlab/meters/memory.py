@@ -1,0 +1,176 @@
+"""Per-rank memory: current and peak bytes, and what a rank holds at a step boundary.
+
+On CUDA the allocator's own statistics are used (they include its 512-byte
+rounding). On CPU there is no such allocator, so `track_memory` counts live
+tensor storages exactly: a `TorchDispatchMode` sees every op, records each
+output storage that did not exist before (views and in-place results alias
+an input and are skipped; storages made before tracking began are never
+counted), and a weak reference tells it when the storage is freed.
+
+What the CPU tracker cannot see: storages created outside the dispatcher
+(`torch.from_numpy`, unpickling, buffers private to a C++ library such as
+gloo's send/recv staging), and memory that is not a tensor (Python objects,
+the CUDA context).
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """A picklable snapshot: bytes allocated inside the tracked region."""
+
+    current_bytes: int
+    peak_bytes: int
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts bytes of storages born inside the mode, until each is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, int] = {}  # storage data_ptr -> nbytes
+        self._preexisting: set[int] = set()
+
+    def _release(self, key: int) -> None:
+        self.current_bytes -= self._live.pop(key, 0)
+
+    def _remember_preexisting(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        if key not in self._preexisting:
+            self._preexisting.add(key)
+            # Once freed, the address may be reused by a storage we must count.
+            weakref.finalize(storage, self._preexisting.discard, key)
+
+    def _note(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        if key == 0 or key in self._live or key in self._preexisting:
+            return
+        nbytes = storage.nbytes()
+        self._live[key] = nbytes
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(storage, self._release, key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in inputs and key not in self._live:
+                    # Output aliases an input we did not create: a view or an
+                    # in-place op on a pre-existing tensor. Not a new allocation.
+                    self._remember_preexisting(storage)
+                    continue
+                self._note(storage)
+        return out
+
+    def stats(self) -> MemoryStats:
+        return MemoryStats(self.current_bytes, self.peak_bytes)
+
+
+class _CudaTracker:
+    """Same interface from the CUDA caching allocator's counters."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self._base = torch.cuda.memory_allocated(device)
+
+    @property
+    def current_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self._base
+
+    @property
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) - self._base
+
+    def stats(self) -> MemoryStats:
+        torch.cuda.synchronize(self.device)
+        return MemoryStats(self.current_bytes, self.peak_bytes)
+
+
+@contextmanager
+def track_memory(device: torch.device | str | None = None) -> Iterator[Any]:
+    """Measure bytes allocated inside the block: `.current_bytes`, `.peak_bytes`, `.stats()`.
+
+    `device` defaults to this rank's device (`distlab.device()`).
+    """
+    from distlab.rank import device as rank_device
+    dev = torch.device(device) if device is not None else rank_device()
+    if dev.type == "cuda":
+        yield _CudaTracker(dev)
+        return
+    with _StorageTracker() as tracker:
+        yield tracker
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes a rank holds, by role. Storages shared between roles count once, in the first."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor behind a DTensor (FSDP2's sharded parameters)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if obj is None:
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.parameters()) + list(obj.buffers())
+    if isinstance(obj, torch.optim.Optimizer):
+        return [v for state in obj.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)]
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
+    total = 0
+    for t in tensors:
+        s = _local(t).untyped_storage()
+        key = (str(t.device), s.data_ptr())
+        if s.data_ptr() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += s.nbytes()
+    return total
+
+
+def model_state(params: Any, grads: Any = None, optimizer: Any = None) -> ModelState:
+    """What a rank holds at a step boundary, walking the live objects.
+
+    `params`: a module or tensors; `grads`: tensors (default: the `.grad` of
+    `params`); `optimizer`: a torch optimizer (its `state`) or tensors.
+    Counts whole storages: a view into a flat buffer counts the buffer once.
+    """
+    seen: set[tuple[str, int]] = set()
+    p_list = list(_tensors(params))
+    g_list = [p.grad for p in p_list if p.grad is not None] if grads is None else list(_tensors(grads))
+    return ModelState(_storage_bytes(p_list, seen), _storage_bytes(g_list, seen),
+                      _storage_bytes(_tensors(optimizer), seen))

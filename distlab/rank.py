@@ -1,0 +1,184 @@
+"""Inside a rank: who am I, where do I compute, and the worker that `launch` starts.
+
+Everything here runs in a child process started by `distlab.launch` (or under
+`torchrun`). The helpers read the live process group, so the same learner code
+works in both places:
+
+    def step():
+        print0(f"{world_size()} ranks on {device()}")
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Messages that would make a notebook's output differ from run to run, or that
+# speak to PyTorch developers rather than to a learner.
+_QUIET_WARNINGS = (
+    r".*all_gather_into_tensor.*deprecated.*",
+    r".*reduce_scatter_tensor.*deprecated.*",
+    r".*_get_default_group.*",
+    r".*TypedStorage is deprecated.*",
+    r".*barrier\(\): using the device under current context.*",
+    r".*No device id is provided via `init_process_group` or `barrier `.*",
+)
+
+
+def quiet_library_warnings() -> None:
+    """Silence the library warnings listed above (learner warnings still show)."""
+    for pattern in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 outside a group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks in the default group (1 outside a group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    """Rank within this machine: selects the GPU under NCCL."""
+    return int(os.environ.get("LOCAL_RANK", rank()))
+
+
+def backend() -> str:
+    """'nccl', 'gloo', or 'none' outside a group."""
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def device() -> torch.device:
+    """The device this rank computes on: cuda:local_rank under NCCL, else cpu."""
+    if backend() == "nccl":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print on rank 0 only: one line per job instead of one per rank."""
+    if rank() == 0:
+        print(*args, **kwargs)
+
+
+def init_process_group(backend_name: str, *, timeout_s: float, store: Any = None,
+                       rank_: int | None = None, world_size_: int | None = None) -> None:
+    """Join the default group; under NCCL bind this rank to its own GPU first.
+
+    Without `store`, the rendezvous comes from the environment (torchrun's
+    RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    """
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    if store is not None:
+        kwargs.update(store=store, rank=rank_, world_size=world_size_)
+    if backend_name == "nccl":
+        # One GPU per rank: NCCL refuses two ranks on one device.
+        torch.cuda.set_device(local_rank())
+        kwargs["device_id"] = torch.device("cuda", local_rank())
+    else:
+        # N ranks share the CPU cores: one intra-op thread each avoids
+        # N x cores threads fighting for the same cores.
+        torch.set_num_threads(1)
+    dist.init_process_group(backend_name, **kwargs)
+
+
+def run_under_torchrun(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run `fn` as one rank of a `torchrun` job (env:// rendezvous).
+
+    Picks NCCL when this node has a GPU for every local rank, gloo otherwise,
+    and always tears the group down.
+    """
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    use_nccl = (torch.cuda.is_available() and dist.is_nccl_available()
+                and torch.cuda.device_count() >= local_world)
+    init_process_group("nccl" if use_nccl else "gloo", timeout_s=float(os.environ.get("DISTLAB_TIMEOUT", 300)))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def _to_cpu(value: Any) -> Any:
+    """Move tensors in a return value to the CPU so the caller never touches CUDA."""
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
+
+
+def _redirect_output(stdout_path: str, stderr_path: str) -> None:
+    """Send fd 1 and 2 (Python and C++ output alike) to per-rank files."""
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+EXIT_KEY = "distlab/exit"
+
+
+def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
+                payload: bytes, workdir: str, timeout_s: float, notify: Any) -> None:
+    """Entry point of one rank started by `distlab.launch`.
+
+    Writes `rank{r}.ok` (the pickled return value) or `rank{r}.err` (type,
+    message, traceback) into `workdir` and says which on the `notify` pipe.
+    A rank that succeeded keeps its process group until the parent sets
+    EXIT_KEY in the store: a rank that finished early must not tear down a
+    collective that another rank is still (wrongly) waiting in, or a hang
+    would turn into a misleading 'connection reset' on the other rank.
+    """
+    import cloudpickle
+
+    _redirect_output(os.path.join(workdir, f"rank{rank_}.out"), os.path.join(workdir, f"rank{rank_}.errlog"))
+    quiet_library_warnings()
+    os.environ.update(RANK=str(rank_), WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
+                      LOCAL_WORLD_SIZE=str(world_size_), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    outcome: dict[str, Any]
+    store = None
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size_, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        init_process_group(backend_name, timeout_s=timeout_s, store=store,
+                           rank_=rank_, world_size_=world_size_)
+        fn, args, kwargs = cloudpickle.loads(payload)
+        result = _to_cpu(fn(*args, **kwargs))
+        try:
+            blob = cloudpickle.dumps(result)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the learner's to fix
+            raise TypeError(
+                f"rank {rank_} returned a {type(result).__name__} that cannot be pickled "
+                f"({exc}); return plain numbers, lists, dicts or CPU tensors") from None
+        outcome = {"ok": blob}
+    except BaseException as exc:  # noqa: BLE001 - report everything, KeyboardInterrupt included
+        outcome = {"err": {"type": type(exc).__name__, "message": str(exc),
+                           "traceback": traceback.format_exc()}}
+    name = "ok" if "ok" in outcome else "err"
+    data = outcome["ok"] if name == "ok" else cloudpickle.dumps(outcome["err"])
+    with open(os.path.join(workdir, f"rank{rank_}.{name}"), "wb") as f:
+        f.write(data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    notify.send(name)
+    if name == "ok" and store is not None:
+        try:
+            store.wait([EXIT_KEY], timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - parent gone or timed out: just leave
+            pass
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group may be broken after a failure
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if name == "ok" else 1)
