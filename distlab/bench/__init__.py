@@ -1,0 +1,1 @@
+"""Infrastructure benchmarks the tour runs from the package: launcher, collectives."""
