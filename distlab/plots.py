@@ -1,0 +1,119 @@
+"""The figures every chapter reuses. Each draws measured values, with theory beside them, labelled.
+
+All functions take plain records (dicts or meter dataclasses) and return the
+matplotlib Figure, so a notebook shows it and the tour saves it.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import matplotlib.pyplot as plt
+
+COMPONENT_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_state": "#55A868", "other": "#8C8C8C"}
+KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452"}
+MB = 2 ** 20
+
+
+def memory_bars(measured: Sequence[Mapping[str, float]], labels: Sequence[str],
+                predicted: Sequence[Mapping[str, float]] | None = None, *,
+                title: str = "Model-state memory per rank", unit: float = MB) -> plt.Figure:
+    """Stacked bars per component, measured (solid) beside predicted (hatched).
+
+    `measured[i]` / `predicted[i]`: {component: bytes} for bar group `labels[i]`.
+    """
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels) + 2), 3.6))
+    width = 0.38 if predicted else 0.6
+    components = [c for c in COMPONENT_COLORS if any(c in m for m in measured)]
+    for j, series in enumerate([measured] + ([predicted] if predicted else [])):
+        bottom = [0.0] * len(labels)
+        xs = [i + (j - 0.5) * width if predicted else i for i in range(len(labels))]
+        for comp in components:
+            vals = [s.get(comp, 0) / unit for s in series]
+            ax.bar(xs, vals, width, bottom=bottom, color=COMPONENT_COLORS[comp],
+                   hatch="//" if j else None, edgecolor="white" if not j else "black", linewidth=0.5,
+                   label=comp.replace("_", " ") if j == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("MiB" if unit == MB else f"x{unit:g} bytes")
+    ax.set_title(title + ("  (solid: measured, hatched: theory)" if predicted else ""), fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def value_bars(values: Mapping[str, float], *, ylabel: str, title: str,
+               predicted: Mapping[str, float] | None = None) -> plt.Figure:
+    """One bar per implementation (throughput, bytes, ...), theory as a marker where given."""
+    names = list(values)
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(names) + 2), 3.2))
+    ax.bar(names, [values[n] for n in names], color="#4C72B0", label="measured")
+    if predicted:
+        xs = [i for i, n in enumerate(names) if n in predicted]
+        ax.scatter(xs, [predicted[names[i]] for i in xs], marker="_", s=900, color="black",
+                   zorder=3, label="theory")
+        ax.legend(fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    return fig
+
+
+def busbw_sweep(records: Iterable[Mapping[str, Any]], *, title: str = "Bus bandwidth vs message size",
+                metric: str = "busbw_GBps") -> plt.Figure:
+    """busbw (or algbw) vs bytes on log axes, one line per (op, impl)."""
+    lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in records:
+        lines.setdefault((r["op"], r["impl"]), []).append((r["bytes"], r[metric]))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for (op, impl), pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                linestyle="-" if impl == "library" else "--", label=f"{op} ({impl})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel(metric.replace("_GBps", " (GB/s)"))
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def timeline(spans: Iterable[Any], *, title: str = "Per-rank timeline") -> plt.Figure:
+    """Gantt chart: one row per rank; compute spans above the line, comm below it.
+
+    `spans`: Span objects or dicts with rank, name, kind, start, end (seconds,
+    one shared clock). Overlap shows as a comm bar under a compute bar.
+    """
+    rows = [s if isinstance(s, Mapping) else s.__dict__ for s in spans]
+    if not rows:
+        raise ValueError("no spans to plot")
+    t0 = min(r["start"] for r in rows)
+    ranks = sorted({r["rank"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 0.9 * len(ranks) + 1.2))
+    for r in rows:
+        y = ranks.index(r["rank"]) + (0.18 if r["kind"] == "compute" else -0.18)
+        ax.barh(y, (r["end"] - r["start"]) * 1e3, left=(r["start"] - t0) * 1e3, height=0.34,
+                color=KIND_COLORS[r["kind"]], edgecolor="white", linewidth=0.4)
+    ax.set_yticks(range(len(ranks)), [f"rank {k}" for k in ranks])
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title + "  (blue: compute, orange: communication)", fontsize=10)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
+def measured_vs_theory(xs: Sequence[float], measured: Sequence[float], theory: Sequence[float], *,
+                       xlabel: str, ylabel: str, title: str, unit: float = 1.0) -> plt.Figure:
+    """Measured points and the closed form as a line, e.g. memory per rank vs N."""
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    ax.plot(xs, [t / unit for t in theory], "-", color="black", label="theory")
+    ax.plot(xs, [m / unit for m in measured], "o", color="#DD8452", label="measured")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,93 @@
+"""Mixed-precision Adam: bf16 weights and gradients, fp32 master weights and moments.
+
+PyTorch's optimizers update parameters in their own dtype, so a bf16 model
+trained with `torch.optim.AdamW` keeps bf16 moments and loses small updates
+to rounding. The recipe of the ZeRO paper (and of every large training run)
+keeps, per parameter:
+
+    bf16 param 2 B + bf16 grad 2 B  (what forward and backward use)
+    fp32 master 4 B + fp32 m 4 B + fp32 v 4 B   (optimizer state, K = 12)
+
+`MixedPrecisionAdam` is that optimizer: the model stays in bf16, and the
+optimizer owns the fp32 copies. Each `step()` upcasts the bf16 gradient,
+runs AdamW on the fp32 master and copies the master back into the bf16
+parameter. So `distlab.meters.model_state(model, optimizer=opt)` measures
+2 + 2 + 12 = 16 bytes per parameter.
+
+    model = build_model("small").to(torch.bfloat16)
+    opt = MixedPrecisionAdam(model.parameters(), lr=1e-3)
+    lm_loss(model, x, y).backward(); opt.step(); opt.zero_grad()
+
+The fp32 state is created at the first `step()` (as in torch's Adam), from
+the parameter's value at that moment: wrap the model for data parallelism
+(which broadcasts rank 0's weights) before the first step, and every rank's
+masters start equal. The update is the same arithmetic as
+`torch.optim.AdamW(foreach=False)`, so on fp32 parameters both agree to
+rounding.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+class MixedPrecisionAdam(torch.optim.Optimizer):
+    """AdamW on fp32 master copies of (typically bf16) parameters.
+
+    State per parameter `p` (all fp32, shaped like `p`): `master`, `exp_avg`
+    (m), `exp_avg_sq` (v); plus `step`, a Python int (no tensor bytes).
+    Changes `p` in place (bf16 <- fp32 master) at each `step()`; reads
+    `p.grad` and skips parameters whose grad is None.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2,
+                 master_dtype: torch.dtype = torch.float32) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.master_dtype = master_dtype
+
+    def _state_for(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            master = p.detach().to(self.master_dtype, copy=True)
+            state["master"] = master
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+            state["step"] = 0
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self._state_for(p)
+                master, m, v = st["master"], st["exp_avg"], st["exp_avg_sq"]
+                g = p.grad.to(self.master_dtype)  # bf16 -> fp32: a temporary of 4 B/param
+                st["step"] += 1
+                t = st["step"]
+                master.mul_(1 - lr * wd)  # decoupled weight decay (AdamW)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                step_size = lr / (1 - beta1 ** t)
+                denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+                master.addcdiv_(m, denom, value=-step_size)
+                p.copy_(master)  # fp32 -> bf16, rounded to nearest
+        return loss
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master copies created so far, in parameter order."""
+        return [self.state[p]["master"] for g in self.param_groups for p in g["params"] if p in self.state]

@@ -1,0 +1,179 @@
+"""`distlab tour`: every chapter's measurements on this machine, in one report.
+
+Steps, each behind one progress bar:
+1. the machine record (backend, devices, versions);
+2. launcher timings, each world size in a fresh process (a first launch must be first);
+3. the library busbw sweep (`distlab.bench.collectives`);
+4. the chapters' lecture and solution notebooks, executed headlessly with
+   nbclient (as nbval does); each writes its own records with
+   `distlab.record` into the output folder, so what a learner sees and what
+   the tour reports come from one code path.
+Then `summary.json`, PNG figures and `report.md` are written to `--out`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+# Notebooks that record measurements, in curriculum order. Missing ones are skipped.
+TOUR_NOTEBOOKS = (
+    "solutions/01_collectives.ipynb",
+    "notebooks/02_ddp.ipynb",
+    "solutions/02_ddp.ipynb",
+    "notebooks/03_zero1.ipynb",
+    "solutions/03_zero1.ipynb",
+    "notebooks/04_zero2.ipynb",
+    "solutions/04_zero2.ipynb",
+    "solutions/05_zero3.ipynb",
+    "notebooks/06_fsdp.ipynb",
+)
+
+
+def repo_root() -> Path | None:
+    """The checkout holding notebooks/ (an editable install), or None."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "notebooks").is_dir() else None
+
+
+def sweep_sizes(quick: bool, on_gpu: bool) -> list[int]:
+    """1 KiB up to 4 MiB (quick), 64 MiB (CPU) or 1 GiB (GPU), by factors of 4."""
+    top = 22 if quick else (30 if on_gpu else 26)
+    return [2 ** k for k in range(10, top + 1, 2)]
+
+
+def _launcher_record(world_size: int, repeats: int) -> dict[str, Any]:
+    """First launch and relaunch, measured in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-m", "distlab.bench.launcher", "--world-sizes", str(world_size),
+                          "--repeats", str(repeats)], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"launcher benchmark failed:\n{out.stderr[-2000:]}")
+    rec = json.loads(out.stdout.strip().splitlines()[-1])[0]
+    return {k: rec[k] for k in ("world_size", "first_launch_s", "relaunch_s")}
+
+
+def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int) -> float:
+    """Run one notebook headlessly in its own folder; it records into `out`."""
+    import nbformat
+    from nbclient import NotebookClient
+    env = {"DISTLAB_RESULTS": str(out.resolve()), "DISTLAB_QUICK": "1" if quick else "0",
+           "DISTLAB_WORLD_SIZE": str(world_size)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    start = time.perf_counter()
+    try:
+        nb = nbformat.read(path, as_version=4)
+        NotebookClient(nb, timeout=1800, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return time.perf_counter() - start
+
+
+def _figures(summary: dict[str, Any], out: Path) -> list[str]:
+    from distlab import plots
+    made = []
+    if summary.get("collectives"):
+        fig = plots.busbw_sweep(summary["collectives"], title=f"busbw vs size ({summary['machine']['backend']}, "
+                                f"{summary['collectives'][0]['world_size']} ranks)")
+        fig.savefig(out / "collectives_busbw.png", dpi=110)
+        made.append("collectives_busbw.png")
+    strategies = summary.get("strategies") or []
+    if strategies:
+        by_name = {f"{s['name']} N={s['world_size']}": s for s in strategies}
+        fig = plots.memory_bars([s["model_state_bytes"] for s in by_name.values()], list(by_name),
+                                [s.get("predicted_model_state_bytes", {}) for s in by_name.values()])
+        fig.savefig(out / "strategies_memory.png", dpi=110)
+        fig = plots.value_bars({k: s["samples_per_s"] for k, s in by_name.items()},
+                               ylabel="samples/s", title="Throughput by strategy (measured)")
+        fig.savefig(out / "strategies_throughput.png", dpi=110)
+        made += ["strategies_memory.png", "strategies_throughput.png"]
+    return made
+
+
+def _table(rows: list[dict[str, Any]], keys: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _report(summary: dict[str, Any], figures: list[str], timings: dict[str, float]) -> str:
+    m = summary["machine"]
+    parts = [
+        "# distlab tour report", "",
+        f"Machine: {m['device_count']} x {m['device_kind']} ({m['backend']}), torch {m['torch_version']}, "
+        f"{m['cpu_count']} CPU cores. Mode: {summary['mode']}. Every number below was measured on this run; "
+        "theory appears only in columns named `predicted_*`.", "",
+        "## Launcher", "", _table(summary["launcher"], ["world_size", "first_launch_s", "relaunch_s"]), "",
+    ]
+    if summary.get("collectives"):
+        parts += ["## Collectives (busbw, nccl-tests definitions)", "",
+                  _table(summary["collectives"], ["op", "impl", "world_size", "bytes", "seconds",
+                                                  "algbw_GBps", "busbw_GBps"]), ""]
+    for section, rows in summary.items():
+        if section in ("machine", "launcher", "collectives", "mode", "notebooks") or not rows:
+            continue
+        keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
+        parts += [f"## {section}", "", _table(rows, keys), ""]
+    if timings:
+        parts += ["## Notebooks executed", "", _table([{"notebook": k, "seconds": v} for k, v in timings.items()],
+                                                      ["notebook", "seconds"]), ""]
+    parts += [f"![{f}]({f})" for f in figures]
+    return "\n".join(parts) + "\n"
+
+
+def run_tour(out: Path, quick: bool = False, world_size: int | None = None, notebooks: bool = True) -> int:
+    """Run the tour; return an exit status."""
+    from distlab.bench.collectives import sweep
+    from distlab.doctor import machine
+    from distlab.results import load_records
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.jsonl"):
+        stale.unlink()  # a tour's summary holds this run's measurements only
+    info = machine()
+    on_gpu = info["backend"] == "nccl"
+    n = world_size or (info["gpu_count"] if on_gpu else 4)
+    root = repo_root()
+    nb_paths = [root / p for p in TOUR_NOTEBOOKS if root and (root / p).exists()] if notebooks else []
+    launcher_sizes = sorted({2, n}) if n > 1 else [1]
+    steps = len(launcher_sizes) + 1 + len(nb_paths)
+    summary: dict[str, Any] = {"machine": info, "mode": "quick" if quick else "full", "launcher": []}
+    timings: dict[str, float] = {}
+    with tqdm(total=steps, desc="distlab tour", unit="step") as bar:
+        for k in launcher_sizes:
+            bar.set_postfix_str(f"launcher x{k}")
+            summary["launcher"].append(_launcher_record(k, repeats=3 if quick else 10))
+            bar.update()
+        bar.set_postfix_str(f"collectives sweep x{n}")
+        summary["collectives"] = sweep(n, sweep_sizes(quick, on_gpu), repeats=3 if quick else 5)
+        bar.update()
+        for path in nb_paths:
+            rel = str(path.relative_to(root))
+            bar.set_postfix_str(rel)
+            timings[rel] = _execute_notebook(path, out, quick, n)
+            bar.update()
+    for section, rows in load_records(out).items():
+        summary.setdefault(section, []).extend(rows)
+    summary["notebooks"] = timings
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    figures = _figures(summary, out)
+    (out / "report.md").write_text(_report(summary, figures, timings))
+    print(f"wrote {out / 'summary.json'}, {out / 'report.md'} and {len(figures)} figure(s)")
+    for rec in summary["launcher"]:
+        print(f"  launch x{rec['world_size']}: first {rec['first_launch_s']:.2f} s, relaunch {rec['relaunch_s']:.3f} s")
+    big = [r for r in summary["collectives"] if r["op"] == "all_reduce"][-1]
+    print(f"  all-reduce busbw at {big['bytes'] / 2**20:.0f} MiB on {n} ranks: {big['busbw_GBps']:.2f} GB/s")
+    return 0

@@ -1,0 +1,64 @@
+"""Every lab is generated from its solution, and fails exactly its graded checks.
+
+- labs/NN_*.ipynb equals make_lab(solutions/NN_*.ipynb) (run `distlab labs` to refresh);
+- the solution's committed check outputs are all PASS lines (nbval compares against them);
+- executing the unfilled lab prints a FAIL line, and no PASS line, in every graded check cell.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from distlab.labs import is_check_cell, make_lab, strip_answers, sync_labs
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _stdout(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+
+
+def test_strip_answers_keeps_signatures_and_stubs_bodies():
+    src = "def f(x):\n    '''doc'''\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION\n"
+    assert strip_answers(src) == "def f(x):\n    '''doc'''\n    raise NotImplementedError(\"your code here\")"
+    with pytest.raises(ValueError):
+        strip_answers("### BEGIN SOLUTION\nx = 1\n")
+
+
+def test_labs_are_in_sync_with_solutions():
+    stale = sync_labs(ROOT, check=True)
+    assert not stale, f"run `distlab labs` to regenerate: {[str(p) for p in stale]}"
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_solution_check_outputs_all_pass(solution):
+    nb = nbformat.read(solution, as_version=4)
+    checks = [c for c in nb.cells if c.cell_type == "code" and is_check_cell(c)]
+    assert checks, f"{solution.name} has no graded check cell"
+    for cell in checks:
+        lines = [l for l in _stdout(cell).splitlines() if l.strip()]
+        assert lines, f"check cell without committed verdict in {solution.name}:\n{cell.source}"
+        bad = [l for l in lines if not l.startswith("PASS ")]
+        assert not bad, f"{solution.name}: committed check output is not all PASS: {bad}"
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_unfilled_lab_fails_every_graded_check(solution, tmp_path, no_orphans):
+    lab = make_lab(nbformat.read(solution, as_version=4))
+    for cell in lab.cells:
+        if is_check_cell(cell):
+            cell.outputs = []
+    NotebookClient(lab, timeout=600, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    checks = [c for c in lab.cells if c.cell_type == "code" and is_check_cell(c)]
+    for cell in checks:
+        errors = [o for o in cell.outputs if o.get("output_type") == "error"]
+        assert not errors, f"a check cell crashed instead of printing a verdict:\n{cell.source}\n{errors}"
+        out = _stdout(cell)
+        assert "FAIL " in out, f"check cell printed no FAIL on the unfilled lab:\n{cell.source}\n{out}"
+        assert "PASS " not in out, f"a check passes on the unfilled lab (cannot fail?):\n{out}"
