@@ -88,6 +88,18 @@ class MixedPrecisionAdam(torch.optim.Optimizer):
                 p.copy_(master)  # fp32 -> bf16, rounded to nearest
         return loss
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but keep the fp32 state fp32 (torch casts it to the bf16 param dtype)."""
+        fp32 = {idx: {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+                for idx, st in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, tensors in fp32.items():
+            p = params[ids.index(idx)]
+            for k, v in tensors.items():
+                self.state[p][k] = v.to(device=p.device, dtype=self.master_dtype, copy=True)
+
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 master copies created so far, in parameter order."""
         return [self.state[p]["master"] for g in self.param_groups for p in g["params"] if p in self.state]
