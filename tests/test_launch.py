@@ -1,0 +1,199 @@
+"""The launcher: results by rank, failures named, hangs bounded, nothing left running."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import _thread
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab.launch import resolve_backend
+
+
+def _rank_times_ten(offset):
+    t = torch.tensor([float(distlab.rank())])
+    dist.all_reduce(t)
+    return {"rank": distlab.rank(), "value": distlab.rank() * 10 + offset, "sum": t.item(),
+            "world": distlab.world_size(), "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def test_returns_values_ordered_by_rank(no_orphans):
+    out = distlab.launch(_rank_times_ten, 4, 1)
+    assert [o["value"] for o in out] == [1, 11, 21, 31]
+    assert all(o["sum"] == 6.0 and o["world"] == 4 and o["threads"] == 1 for o in out)
+    assert not any(psutil.pid_exists(o["pid"]) and psutil.Process(o["pid"]).status() != psutil.STATUS_ZOMBIE
+                   for o in out)
+
+
+def test_world_size_one_and_kwargs(no_orphans):
+    def f(a, *, b):
+        return (distlab.rank(), distlab.world_size(), a + b, str(distlab.device()))
+    assert distlab.launch(f, 1, 2, b=3) == [(0, 1, 5, "cpu")]
+
+
+def test_functions_and_classes_defined_in_main_travel(no_orphans):
+    # Defined here, in a test module's local scope: only cloudpickle can ship these.
+    class Acc:
+        def __init__(self):
+            self.total = distlab.rank()
+    out = distlab.launch(lambda: Acc().total, 2)
+    assert out == [0, 1]
+
+
+def test_output_is_replayed_in_rank_order_with_prefix(capfd, no_orphans):
+    def talk():
+        import sys as s
+        time.sleep(0.05 * (3 - distlab.rank()))  # finish in reverse order
+        print(f"hello {distlab.rank()}")
+        print(f"oops {distlab.rank()}", file=s.stderr)
+        distlab.print0("only rank 0")
+    distlab.launch(talk, 3)
+    out, err = capfd.readouterr()
+    lines = [l for l in out.splitlines() if l.startswith("[rank")]
+    assert lines == ["[rank 0] hello 0", "[rank 0] only rank 0", "[rank 1] hello 1", "[rank 2] hello 2"]
+    assert [l for l in err.splitlines() if l.startswith("[rank")] == [f"[rank {r}] oops {r}" for r in range(3)]
+
+
+def _fail_on(bad_rank):
+    if distlab.rank() == bad_rank:
+        raise ValueError(f"boom on {bad_rank}")
+    dist.barrier()  # the others wait for the failed rank forever
+    return "unreachable"
+
+
+def test_rank_failure_names_rank_and_stops_the_rest_quickly(no_orphans):
+    start = time.monotonic()
+    with pytest.raises(distlab.RankFailed) as info:
+        distlab.launch(_fail_on, 3, 1, timeout=60)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "rank 1 raised ValueError: boom on 1" in str(info.value)
+    assert "_fail_on" in info.value.traceback
+    assert isinstance(info.value, distlab.LaunchError)
+
+
+def _hang_on_rank0():
+    if distlab.rank() == 0:
+        dist.barrier()  # rank 1 never joins
+    return distlab.rank()
+
+
+def test_hang_ends_at_timeout_naming_the_stuck_rank(no_orphans):
+    start = time.monotonic()
+    with pytest.raises(distlab.LaunchTimeout) as info:
+        distlab.launch(_hang_on_rank0, 2, timeout=3)
+    assert info.value.ranks == [0]
+    assert 2.5 < time.monotonic() - start < 15
+
+
+def test_process_that_dies_without_python_error(no_orphans):
+    def die():
+        if distlab.rank() == 1:
+            os._exit(7)
+        dist.barrier()
+    with pytest.raises(distlab.RankFailed) as info:
+        distlab.launch(die, 2, timeout=30)
+    assert info.value.rank == 1 and "exited with code 7" in str(info.value)
+
+
+def test_unpicklable_return_value_names_the_rank(no_orphans):
+    def give_lock():
+        return threading.Lock() if distlab.rank() == 1 else 0
+    with pytest.raises(distlab.RankFailed) as info:
+        distlab.launch(give_lock, 2)
+    assert info.value.rank == 1 and "cannot be pickled" in str(info.value)
+
+
+def test_keyboard_interrupt_kills_every_rank(tmp_path, no_orphans):
+    def sleeper(folder):
+        open(os.path.join(folder, f"{distlab.rank()}.pid"), "w").write(str(os.getpid()))
+        time.sleep(60)
+
+    def interrupt_when_started():
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        distlab.launch(sleeper, 2, str(tmp_path), timeout=60)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2
+    assert not any(psutil.pid_exists(p) for p in pids)
+
+
+@pytest.mark.parametrize("bad, exc, msg", [
+    (0, ValueError, "at least 1"), (-2, ValueError, "at least 1"),
+    (2.0, TypeError, "must be an int"), ("4", TypeError, "must be an int"), (True, TypeError, "must be an int"),
+])
+def test_bad_world_size_starts_nothing(bad, exc, msg, no_orphans):
+    with pytest.raises(exc, match=msg):
+        distlab.launch(lambda: 0, bad)
+
+
+def test_bad_backend_and_nccl_without_gpus():
+    with pytest.raises(ValueError, match="not one of"):
+        distlab.launch(lambda: 0, 2, backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA GPUs"):
+            resolve_backend("nccl", 1)
+        assert resolve_backend("auto", 4) == "gloo"
+    else:
+        with pytest.raises(ValueError, match="one rank per GPU"):
+            resolve_backend("nccl", torch.cuda.device_count() + 1)
+
+
+def test_unpicklable_function_is_refused_before_starting(no_orphans):
+    lock = threading.Lock()
+    with pytest.raises(distlab.LaunchError, match="could not send"):
+        distlab.launch(lambda: lock.acquire(), 2)
+    with pytest.raises(TypeError, match="needs a function"):
+        distlab.launch(42, 2)
+
+
+def test_relaunch_is_fast_enough_to_feel_instant(no_orphans):
+    """A sanity bound only (the measured figures come from distlab.bench.launcher)."""
+    distlab.launch(lambda: 0, 4)
+    start = time.monotonic()
+    distlab.launch(lambda: 0, 4)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_world_size_one_on_gpu(no_orphans):
+    def on_gpu():
+        t = torch.ones(4, device=distlab.device())
+        dist.all_reduce(t)
+        return distlab.backend(), str(distlab.device()), t.sum().item()
+    assert distlab.launch(on_gpu, 1, backend="nccl") == [("nccl", "cuda:0", 4.0)]
+
+
+def test_same_worker_code_runs_under_torchrun(tmp_path, no_orphans):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist, distlab
+        def work():
+            t = torch.tensor([distlab.rank() + 1.0])
+            dist.all_reduce(t)
+            print(f"rank {distlab.rank()} of {distlab.world_size()} sum {t.item():.0f}")
+        distlab.run_under_torchrun(work)
+    """))
+    # Its own session, so that on a timeout the whole tree (agent + workers) can be ended.
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "rank 0 of 2 sum 3" in stdout and "rank 1 of 2 sum 3" in stdout

@@ -1,0 +1,127 @@
+"""The meters measure: exact bytes on known allocations, known traffic on real ranks."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab import theory
+from distlab.meters import Timeline, model_state, track_comm, track_memory
+from distlab.models import build_model, lm_loss, num_params, split_batch, synthetic_batch
+
+
+def test_memory_exact_on_known_allocations():
+    before = torch.empty(10_000)  # exists before tracking: never counted
+    with track_memory("cpu") as mem:
+        a = torch.empty(1000)                          # 4000 B
+        b = torch.empty(2000, dtype=torch.float64)     # 16000 B
+        c = torch.empty(300, dtype=torch.bfloat16)     # 600 B
+        assert (mem.current_bytes, mem.peak_bytes) == (20_600, 20_600)
+        del b
+        assert (mem.current_bytes, mem.peak_bytes) == (4_600, 20_600)
+        view = a.view(10, 100)  # a view allocates nothing
+        a.add_(1)               # neither does an in-place op
+        before.mul_(2)          # nor an op on a tensor from before
+        t = before.t() if before.dim() == 2 else before.view(100, 100).t()
+        assert mem.current_bytes == 4_600
+        d = torch.ones(50) + 1  # a temporary (ones) is freed, the result stays
+        assert mem.current_bytes == 4_600 + 200
+        assert mem.peak_bytes == 20_600
+    assert mem.stats().peak_bytes == 20_600
+    del view, t, c, d
+
+
+def test_memory_counts_what_a_training_step_creates():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with track_memory("cpu") as mem:
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    state = model_state(model, optimizer=opt)
+    state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert state.params == 4 * n
+    assert state.grads == 4 * n
+    assert state.optimizer_state == state_bytes  # m, v and the step counters
+    assert 8 * n <= state_bytes <= 8 * n + 64
+    # grads and m, v were born inside the block and are still alive
+    assert mem.current_bytes >= 4 * n + 8 * n
+    assert mem.peak_bytes > mem.current_bytes  # activations came and went
+
+
+def test_model_state_counts_shared_storage_once():
+    flat = torch.zeros(100)
+    views = [flat[:60], flat[60:]]
+    s = model_state(views, grads=[flat[:10]], optimizer=[])
+    assert s.params == 400 and s.grads == 0 and s.total == 400
+
+
+def _ddp_step_traffic():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(build_model("tiny"))
+    x, y = split_batch(synthetic_batch(0, 12, model.module.config), distlab.rank(), distlab.world_size())
+    lm_loss(model, x, y).backward()  # first step: DDP may rebuild its buckets
+    with track_comm() as comm:
+        lm_loss(model, x, y).backward()
+    return comm.stats(), num_params(model.module)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_comm_counts_ddp_reducer_bytes(n, no_orphans):
+    results = distlab.launch(_ddp_step_traffic, n)
+    for stats, psi in results:
+        expected = theory.comm_bytes_per_rank(psi, n, stage=0, bytes_per_element=4)
+        assert stats.bytes["all_reduce"] == pytest.approx(expected, rel=1e-6)
+        assert stats.calls["all_reduce"] >= 1
+
+
+def _every_collective():
+    from distlab.collectives import all_gather_tensor, reduce_scatter_tensor
+    n, r = distlab.world_size(), distlab.rank()
+    t = torch.ones(12)
+    with track_comm() as comm:
+        dist.all_reduce(t)
+        dist.broadcast(t, 0)
+        all_gather_tensor(torch.empty(12 * n), t)
+        reduce_scatter_tensor(torch.empty(12 // n), t)
+        dist.all_to_all_single(torch.empty(12), t)
+        if r == 0:
+            dist.send(t, 1)
+        elif r == 1:
+            dist.recv(t, 0)
+        work = dist.isend(t, (r + 1) % n)
+        dist.recv(torch.empty(12), (r - 1) % n)
+        work.wait()
+    return comm.stats()
+
+
+def test_comm_bytes_follow_each_collectives_semantics(no_orphans):
+    s = distlab.launch(_every_collective, 4)
+    b = 48  # 12 float32
+    assert s[0].bytes["all_reduce"] == 2 * 3 * b // 4          # 2(N-1)/N x S
+    assert s[0].bytes["broadcast"] == b                         # S
+    assert s[0].bytes["all_gather"] == 3 * b                    # (N-1)/N x (N x 48)
+    assert s[0].bytes["reduce_scatter"] == 3 * b // 4           # (N-1)/N x 48
+    assert s[0].bytes["all_to_all"] == 3 * b // 4               # what leaves for the 3 others
+    assert s[0].bytes["send"] == 2 * b and s[0].calls["send"] == 2
+    assert s[1].bytes["recv"] == 0 and s[1].calls["recv"] == 2
+    assert s[2].calls.get("send") == 1 and "all_reduce" in s[3].calls
+
+
+def _timeline_job():
+    tl = Timeline()
+    with tl.span("compute"):
+        sum(range(10_000))
+    work = tl.track("all_reduce", dist.all_reduce(torch.ones(1000), async_op=True))
+    work.wait()
+    time.sleep(0.01)  # let the completion callback run
+    return tl.spans
+
+
+def test_timeline_records_compute_and_async_comm(no_orphans):
+    spans = [s for per_rank in distlab.launch(_timeline_job, 2) for s in per_rank]
+    assert {(s.rank, s.kind) for s in spans} == {(0, "compute"), (0, "comm"), (1, "compute"), (1, "comm")}
+    assert all(s.end >= s.start for s in spans)
+    from distlab.plots import timeline
+    assert timeline(spans).axes[0].get_xlabel() == "time (ms)"

@@ -1,0 +1,47 @@
+"""pyproject.toml and environment.yml name the same dependencies; the CLI answers."""
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pip_section_of_environment_yml() -> set[str]:
+    lines = (ROOT / "environment.yml").read_text().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
+    out = set()
+    for line in lines[start + 1:]:
+        m = re.match(r"^\s+- (.+)$", line)
+        if not m:
+            break
+        out.add(m.group(1).strip())
+    return out
+
+
+def test_environment_yml_mirrors_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = set(project["dependencies"]) | set(project["optional-dependencies"]["dev"]) | {"-e ."}
+    assert _pip_section_of_environment_yml() == wanted
+    assert "python=3.11" in (ROOT / "environment.yml").read_text()
+
+
+def test_torch_floor_is_2_10():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "torch>=2.10" in deps
+
+
+def test_doctor_reports_and_runs(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "distlab.cli", "doctor", "--run"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gloo: world sizes 1.." in out.stdout
+    assert "gloo x2: all-reduce ok; memory meter 4194304 B for a 4194304 B tensor" in out.stdout
+    assert out.stdout.strip().endswith("healthy")
+
+
+def test_labs_check_cli_agrees_with_the_tree():
+    out = subprocess.run([sys.executable, "-m", "distlab.cli", "labs", "--check", "--root", str(ROOT)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
