@@ -45,3 +45,17 @@ def test_labs_check_cli_agrees_with_the_tree():
     out = subprocess.run([sys.executable, "-m", "distlab.cli", "labs", "--check", "--root", str(ROOT)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [blocks[0].strip(), blocks[1].strip()]
+
+
+def test_ci_runs_exactly_the_readme_commands():
+    ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines()]
+    setup, tests = _readme_commands()
+    assert "distlab tour" in setup and "pip install torch==2.13.0" in setup
+    assert "pytest" in tests
+    assert setup in ci and tests in ci
