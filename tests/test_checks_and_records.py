@@ -1,0 +1,57 @@
+"""Verdict lines, quick mode and result records behave as the notebooks rely on."""
+import json
+
+import pytest
+import torch
+
+import distlab
+from distlab.checks import CheckFailed, check, compare, expect
+from distlab.results import load_records, record
+
+
+def test_compare_exact_close_and_wrong():
+    assert compare(torch.ones(3), torch.ones(3)) == "exact"
+    assert compare(torch.ones(3), torch.ones(3) + 1e-9) == "close"
+    with pytest.raises(CheckFailed, match=r"max \|mine - reference\| = 1.0e\+00"):
+        compare(torch.ones(3), torch.zeros(3))
+    with pytest.raises(CheckFailed, match="shape"):
+        compare(torch.ones(3), torch.ones(4))
+    with pytest.raises(CheckFailed, match="dtype"):
+        compare(torch.ones(3), torch.ones(3, dtype=torch.float64))
+
+
+def test_check_prints_one_verdict_line(capsys):
+    assert check("adds up", lambda: compare(torch.tensor(2.0), torch.tensor(2.0))) is True
+    assert check("not yet", lambda: (_ for _ in ()).throw(NotImplementedError())) is False
+    assert check("wrong", lambda: expect(1 == 2, "1 is not 2")) is False
+    assert capsys.readouterr().out.splitlines() == [
+        "PASS adds up: exact", "FAIL not yet: not implemented yet (NotImplementedError)", "FAIL wrong: 1 is not 2"]
+
+
+def _not_done():
+    raise NotImplementedError("your code here")
+
+
+def test_check_unwraps_a_failed_rank(capsys, no_orphans):
+    assert check("on ranks", lambda: distlab.launch(_not_done, 2)) is False
+    assert capsys.readouterr().out.strip().endswith(
+        "FAIL on ranks: not implemented yet (NotImplementedError on a rank)")
+
+
+def test_quick_mode_switch(monkeypatch):
+    monkeypatch.setenv("DISTLAB_QUICK", "1")
+    assert distlab.quick() and distlab.pick(quick=2, full=50) == 2
+    monkeypatch.setenv("DISTLAB_QUICK", "0")
+    assert not distlab.quick() and distlab.pick(quick=2, full=50) == 50
+
+
+def test_records_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTLAB_RESULTS", str(tmp_path))
+    rec = record("strategies", name="ddp", bytes=torch.tensor([1, 2]), nested={"a": 1.5})
+    record("strategies", name="zero1")
+    assert rec == {"name": "ddp", "bytes": [1, 2], "nested": {"a": 1.5}}
+    loaded = load_records(tmp_path)
+    assert [r["name"] for r in loaded["strategies"]] == ["ddp", "zero1"]
+    assert json.loads((tmp_path / "strategies.jsonl").read_text().splitlines()[0])["bytes"] == [1, 2]
+    with pytest.raises(ValueError, match="plain name"):
+        record("../evil", x=1)
