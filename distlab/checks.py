@@ -9,6 +9,9 @@ compares them with the solution's: no timings, no addresses, no raw floats.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from typing import Any, Callable
 
 import torch
@@ -62,11 +65,18 @@ def check(name: str, fn: Callable[[], Any]) -> bool:
 
     `fn` returns a short detail for the PASS line (or None) and raises when
     the learner's code is wrong; every exception becomes a FAIL line.
+    Whatever `fn` prints (ranks' replayed output, the launcher's notes) is held
+    back, so the cell's output is the verdict alone; after a FAIL it is shown
+    on stderr to help debugging.
     """
+    held = io.StringIO()
     try:
-        detail = fn()
+        with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+            detail = fn()
     except Exception as exc:  # noqa: BLE001 - every failure is a verdict, never a crash
         print(f"FAIL {name}: {_reason(exc)}")
+        if held.getvalue().strip():
+            sys.stderr.write(f"(output of the failed check '{name}')\n{held.getvalue()}")
         return False
     print(f"PASS {name}" + (f": {detail}" if detail else ""))
     return True

@@ -55,3 +55,13 @@ def test_records_round_trip(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "strategies.jsonl").read_text().splitlines()[0])["bytes"] == [1, 2]
     with pytest.raises(ValueError, match="plain name"):
         record("../evil", x=1)
+
+
+def _chatty():
+    print(f"debug line from rank {distlab.rank()}")
+    return distlab.rank()
+
+
+def test_check_output_is_the_verdict_alone(capsys, no_orphans):
+    assert check("quiet", lambda: str(distlab.launch(_chatty, 2)))
+    assert capsys.readouterr().out == "PASS quiet: [0, 1]\n"
