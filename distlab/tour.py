@@ -98,7 +98,35 @@ def _figures(summary: dict[str, Any], out: Path) -> list[str]:
                                ylabel="samples/s", title="Throughput by strategy (measured)")
         fig.savefig(out / "strategies_throughput.png", dpi=110)
         made += ["strategies_memory.png", "strategies_throughput.png"]
+        scaling = _memory_vs_n(strategies)
+        if scaling is not None:
+            scaling.savefig(out / "strategies_memory_vs_n.png", dpi=110)
+            made.append("strategies_memory_vs_n.png")
     return made
+
+
+def _memory_vs_n(strategies: list[dict[str, Any]]) -> Any:
+    """Model-state bytes per rank vs N, measured (points) and predicted (lines), per strategy."""
+    import matplotlib.pyplot as plt
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for s in strategies:
+        predicted = sum((s.get("predicted_model_state_bytes") or {}).values())
+        series.setdefault(s["name"], []).append((s["world_size"], sum(s["model_state_bytes"].values()), predicted))
+    series = {k: sorted(v) for k, v in series.items() if len({n for n, _, _ in v}) > 1}
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for i, (name, pts) in enumerate(sorted(series.items())):
+        color = f"C{i}"
+        ns = [p[0] for p in pts]
+        ax.plot(ns, [p[2] / 2**20 for p in pts], "-", color=color, alpha=0.6)
+        ax.plot(ns, [p[1] / 2**20 for p in pts], "o", color=color, label=name)
+    ax.set_xlabel("N (ranks)")
+    ax.set_ylabel("model-state MiB per rank")
+    ax.set_title("Memory per rank vs N (points: measured, lines: theory)", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def _table(rows: list[dict[str, Any]], keys: list[str]) -> str:

@@ -32,3 +32,15 @@ def test_tour_quick_without_notebooks(tmp_path, no_orphans):
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
     assert (tmp_path / "collectives_busbw.png").stat().st_size > 1000
     assert "## Launcher" in (tmp_path / "report.md").read_text()
+
+
+def test_memory_vs_n_figure_needs_several_world_sizes():
+    from distlab.tour import _memory_vs_n
+    rec = lambda n: {"name": "zero1", "world_size": n,  # noqa: E731
+                     "model_state_bytes": {"params": 4e6, "optimizer_state": 12e6 / n},
+                     "predicted_model_state_bytes": {"params": 4e6, "optimizer_state": 12e6 / n}}
+    assert _memory_vs_n([rec(2)]) is None
+    fig = _memory_vs_n([rec(1), rec(2), rec(4)])
+    measured = [l for l in fig.axes[0].lines if l.get_marker() == "o"][0]
+    assert list(measured.get_xdata()) == [1, 2, 4]
+    assert list(measured.get_ydata()) == [16e6 / 2**20, 10e6 / 2**20, 7e6 / 2**20]
