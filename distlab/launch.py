@@ -15,13 +15,17 @@ behind in any case, Jupyter's interrupt included.
 """
 from __future__ import annotations
 
+import importlib
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import sys
 import tempfile
 import time
+import types
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -114,11 +118,29 @@ def _check_world_size(world_size: Any) -> int:
     return world_size
 
 
+class _Pickler(cloudpickle.CloudPickler):
+    """cloudpickle, plus: module objects of a ModuleType *subclass* travel by name.
+
+    torch installs some modules (e.g. `torch.distributed.config`) as instances of
+    a ModuleType subclass. cloudpickle pickles plain modules by import name but
+    tries to pickle those by value, and fails. A function that uses
+    `torch.distributed` and merely reads an attribute called `config` (say
+    `model.config`) drags that module in.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and obj.__name__ in sys.modules:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
 def _pickle_payload(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     if not callable(fn):
         raise TypeError(f"launch needs a function to run on each rank, got {type(fn).__name__}")
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, kwargs))
+        return buffer.getvalue()
     except Exception as exc:  # noqa: BLE001 - cloudpickle raises many kinds
         raise LaunchError(
             f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {exc}. "

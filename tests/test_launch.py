@@ -197,3 +197,14 @@ def test_same_worker_code_runs_under_torchrun(tmp_path, no_orphans):
             proc.wait()
     assert proc.returncode == 0, stderr[-2000:]
     assert "rank 0 of 2 sum 3" in stdout and "rank 1 of 2 sum 3" in stdout
+
+
+def test_function_touching_a_config_attribute_and_dist_travels(no_orphans):
+    # cloudpickle alone fails here: `model.config` + `dist` drags in torch.distributed.config,
+    # a module of a ModuleType subclass; the launcher ships such modules by name.
+    from distlab.models import build_model
+
+    def f():
+        model = build_model("tiny")
+        return model.config.d_model + dist.get_world_size()
+    assert distlab.launch(f, 2) == [34, 34]
