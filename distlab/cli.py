@@ -23,6 +23,19 @@ def main(argv: list[str] | None = None) -> int:
     lb.add_argument("--check", action="store_true", help="exit 1 if labs/ is out of date")
     lb.add_argument("--root", type=Path, default=Path("."))
 
+    g = sub.add_parser("grade", help="grade learners' lab notebooks against the shipped checks (see README)")
+    g.add_argument("lab", help="a lab name (01_collectives) or the path of the shipped lab notebook")
+    g.add_argument("submissions", nargs="*", type=Path, help="learners' notebooks, or folders of them")
+    g.add_argument("--out", type=Path, default=None, help="write grades.csv, grades.md, junit.xml here")
+    g.add_argument("--timeout", type=float, default=300, help="seconds per notebook cell (default 300)")
+    g.add_argument("--rank-timeout", type=float, default=60,
+                   help="seconds per launch of ranks inside a check (default 60)")
+    g.add_argument("--jobs", type=int, default=1, help="submissions graded at once (default 1)")
+    g.add_argument("--only", action="append", default=None, metavar="TEXT",
+                   help="grade only the verdict lines containing TEXT (repeatable)")
+    g.add_argument("--self", action="store_true",
+                   help="a learner checking their own labs/LAB.ipynb (or the given notebook) before handing it in")
+
     args = ap.parse_args(argv)
     if args.cmd == "doctor":
         from distlab.doctor import doctor
@@ -37,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in changed:
             print(("stale: " if args.check else "wrote: ") + str(p))
         return 1 if (args.check and changed) else 0
+    if args.cmd == "grade":
+        from distlab.grading import main as grade_main
+        return grade_main(args)
     return 2
 
 
