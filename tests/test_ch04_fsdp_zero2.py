@@ -1,0 +1,52 @@
+"""Chapter 4's claims about fully_shard(reshard_after_forward=False), on real ranks.
+
+At a step boundary FSDP2 keeps parameters, gradients and optimizer state sharded (16 B/param / N with
+MixedPrecisionAdam on the DTensor shards), and one step sends 2*Psi*b*(N-1)/N: one all-gather and one
+reduce-scatter per unit. The CPU memory tracker cannot (yet) run around FSDP2: see the xfail below.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distlab
+from distlab.meters import model_state, track_comm, track_memory
+from distlab.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch
+from distlab.precision import MixedPrecisionAdam
+from distlab.theory import comm_bytes_per_rank
+
+
+def _fsdp_step(track_mem: bool):
+    from torch.distributed.fsdp import fully_shard
+    model = build_model("tiny").to(torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    opt = MixedPrecisionAdam(model.parameters(), lr=1e-3)
+    x, y = split_batch(synthetic_batch(0, 8, PRESETS["tiny"]), distlab.rank(), distlab.world_size())
+    if track_mem:
+        with track_memory():
+            lm_loss(model, x, y).backward()
+            opt.step()
+        return None
+    with track_comm() as comm:
+        lm_loss(model, x, y).backward()
+        opt.step()
+    return model_state(model, optimizer=opt), comm.stats()
+
+
+def test_fully_shard_without_reshard_sends_zero2_bytes_and_shards_states():
+    n, psi = 2, num_params(build_model("tiny"))
+    for state, comm in distlab.launch(_fsdp_step, n, False):
+        assert set(comm.calls) == {"all_gather", "reduce_scatter"}
+        assert comm.calls["all_gather"] == comm.calls["reduce_scatter"]  # one of each per unit
+        assert comm.total_bytes == comm_bytes_per_rank(psi, n, stage=2, bytes_per_element=2)
+        # Parameters too are sharded between steps (unlike textbook ZeRO-2): 16 B/param / N in all.
+        assert state.total == pytest.approx(16 * psi / n, rel=0.01)
+
+
+@pytest.mark.xfail(reason="distlab/meters/memory.py __torch_dispatch__ calls untyped_storage().data_ptr() on "
+                          "every input; FSDP2's freed (resized-to-0) storages raise 'Attempted to access the "
+                          "data pointer on an invalid python storage'", strict=False)
+def test_track_memory_runs_around_fully_shard():
+    distlab.launch(_fsdp_step, 2, True)
