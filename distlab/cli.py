@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--jobs", type=int, default=1, help="submissions graded at once (default 1)")
     g.add_argument("--only", action="append", default=None, metavar="TEXT",
                    help="grade only the verdict lines containing TEXT (repeatable)")
+    g.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="keep each graded notebook in DIR/NAME/graded.ipynb (runs under pytest --nbval-lax too)")
     g.add_argument("--self", action="store_true",
                    help="a learner checking their own labs/LAB.ipynb (or the given notebook) before handing it in")
 

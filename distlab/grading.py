@@ -13,6 +13,7 @@ check cell's `metadata.distlab.points` (per verdict line of that cell, default
 """
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 import tempfile
@@ -20,6 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import nbformat
 
 from distlab.grading_build import Lab, build, extract_answers, load_lab, read_submission
 from distlab.grading_report import audit, write_reports
@@ -111,7 +114,7 @@ def score(lab: Lab, executed, note: str, cell_timeout: float) -> list[Verdict]:
 
 
 def grade_one(lab: Lab, path: Path, *, cell_timeout: float, rank_timeout: float,
-              total_timeout: float | None = None, name: str | None = None) -> Result:
+              total_timeout: float | None = None, name: str | None = None, keep: Path | None = None) -> Result:
     start = time.monotonic()
     res = Result(name or _display(path))
     sub, why = read_submission(path)
@@ -122,14 +125,21 @@ def grade_one(lab: Lab, path: Path, *, cell_timeout: float, rank_timeout: float,
     answers, missing = extract_answers(lab, sub)
     res.flags = audit("\n".join(src for _, src in answers))
     notes = list(missing)
-    workdir = Path(tempfile.mkdtemp(prefix="distlab-grade-"))
+    if keep is not None:   # the graded notebook stays for a look (or `pytest --nbval-lax` on it)
+        workdir = Path(keep) / f"{Path(path).stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:6]}"
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="distlab-grade-"))
     try:
         nb = build(lab, answers, workdir, rank_timeout)
         n_cells = sum(1 for c in nb.cells if c.cell_type == "code")
         total = total_timeout or cell_timeout * n_cells + 60
         executed, run_note = run_isolated(nb, workdir, cell_timeout, total)
+        if keep is not None and executed is not None:
+            nbformat.write(executed, workdir / "executed.ipynb")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     if run_note:
         notes.append(run_note)
     res.note = _one_line("; ".join(notes))
@@ -146,28 +156,29 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-def expand(submissions: list[Path]) -> list[Path]:
-    """Files as given; folders -> their .ipynb files (checkpoints skipped), sorted."""
+def expand(submissions: list[Path]) -> list[tuple[Path, str]]:
+    """(path, name in the report): files as given; folders -> their .ipynb files (checkpoints skipped)."""
     out = []
     for p in submissions:
         p = Path(p)
         if p.is_dir():
-            out += sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+            for q in sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts):
+                out.append((q, str(Path(p.resolve().name) / q.relative_to(p))))
         else:
-            out.append(p)
+            out.append((p, _display(p)))
     return out
 
 
 def grade(lab: str | Path, submissions: list[Path], *, out: Path | None = None, cell_timeout: float = 300,
           rank_timeout: float = 60, total_timeout: float | None = None, jobs: int = 1,
-          only: list[str] | None = None, echo: bool = True) -> list[Result]:
+          only: list[str] | None = None, keep: Path | None = None, echo: bool = True) -> list[Result]:
     """Grade every submission (in order, `jobs` at a time); write reports to `out` if given."""
     the_lab = load_lab(lab).select(only)
     paths = expand(submissions)
 
-    def one(p: Path) -> Result:
-        r = grade_one(the_lab, p, cell_timeout=cell_timeout, rank_timeout=rank_timeout,
-                      total_timeout=total_timeout)
+    def one(item: tuple[Path, str]) -> Result:
+        r = grade_one(the_lab, item[0], cell_timeout=cell_timeout, rank_timeout=rank_timeout,
+                      total_timeout=total_timeout, keep=keep, name=item[1])
         if echo:
             print(f"{r.submission}: {r.score:g}/{r.max_score:g}" + (f"  ({r.note})" if r.note else ""), flush=True)
         return r
@@ -191,7 +202,7 @@ def main(args) -> int:
         print("distlab grade: give at least one submission (a notebook or a folder), or --self", file=sys.stderr)
         return 2
     results = grade(args.lab, subs, out=args.out, cell_timeout=args.timeout, rank_timeout=args.rank_timeout,
-                    jobs=args.jobs, only=args.only, echo=not args.self)
+                    jobs=args.jobs, only=args.only, keep=args.keep, echo=not args.self)
     print(markdown(results, detail=args.self))
     if args.out is not None:
         print(f"wrote {args.out}/grades.csv, grades.md, junit.xml")

@@ -148,16 +148,23 @@ def extract_answers(lab: Lab, sub: nbformat.NotebookNode) -> tuple[list[tuple[st
         if cell is None:
             notes.append(f"no answer cell for {', '.join(names)}")
             continue
-        cells.append((cid, cell.source))
+        cells.append((cid, _without_magics(cell.source)))
     return cells, notes
+
+
+def _without_magics(source: str) -> str:
+    """IPython-only lines (%magic, !shell) become comments: answers run as plain Python on ranks."""
+    return "\n".join(f"# (ignored by distlab grade) {line.strip()}" if line.lstrip().startswith(("%", "!")) else line
+                     for line in source.splitlines())
 
 
 PREAMBLE = """# Added by distlab grade: the learner's answers exist only on the ranks.
 import json as _dg_json
 import distlab.grading_remote as _dg
-_DG = _dg_json.load(open({path!r}))"""
+_DG = _dg_json.load(open({path!r}))
+_dg.cap_launch_timeout(_DG['rank_timeout'])"""
 
-INSTALL = "_dg.install(_DG['cells'], _DG['names'], globals(), rank_timeout=_DG['rank_timeout'])"
+INSTALL = "_dg.install(_DG['cells'], _DG['names'], globals())"
 
 
 def build(lab: Lab, answers: list[tuple[str, str]], workdir: Path, rank_timeout: float) -> nbformat.NotebookNode:
@@ -183,7 +190,12 @@ def build(lab: Lab, answers: list[tuple[str, str]], workdir: Path, rank_timeout:
             cell.metadata["distlab_check_index"] = k
             if k not in graded and not _defines_anything(cell):
                 continue   # not graded this time, and later checks need nothing from it
-        cell.outputs, cell.execution_count = [], None
+        if is_check_cell(cell):
+            # Keep the expected verdicts, with an execution count: nbval skips (fails) "unrun" reference cells,
+            # so the graded notebook also runs under `pytest --nbval-lax`.
+            cell.execution_count = k + 1
+        else:
+            cell.outputs, cell.execution_count = [], None
         cells.append(cell)
     nb.cells = cells
     return nb

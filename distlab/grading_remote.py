@@ -156,9 +156,8 @@ def safe_loads(data: bytes) -> Any:
     return _RankResultUnpickler(io.BytesIO(data)).load()
 
 
-def install(cells: list[tuple[str, str]], names: list[str], kernel_globals: dict,
-            rank_timeout: float | None = None) -> None:
-    """Kernel side: bind each answer name to a RemoteAnswer; bound launches by `rank_timeout`."""
+def install(cells: list[tuple[str, str]], names: list[str], kernel_globals: dict) -> None:
+    """Kernel side: bind each answer name to a RemoteAnswer; unpickle rank results safely."""
     answers = Answers(cells, names)
     for name in names:
         kernel_globals[name] = RemoteAnswer(answers, name, kernel_globals)
@@ -169,8 +168,24 @@ def install(cells: list[tuple[str, str]], names: list[str], kernel_globals: dict
     launch_mod = sys.modules["distlab.launch"]
     # Results and errors come back from ranks, where learner code ran: never unpickle code from them.
     launch_mod.cloudpickle = types.SimpleNamespace(dumps=cloudpickle.dumps, loads=safe_loads)
-    if rank_timeout is not None:
-        launch_mod.launch.__kwdefaults__["timeout"] = float(rank_timeout)
+
+
+
+def cap_launch_timeout(seconds: float) -> None:
+    """Kernel side, before any setup cell: every launch ends within `seconds`, whatever it asks for."""
+    import functools
+    import sys
+
+    import distlab
+    import distlab.launch  # noqa: F401 - the module, whose `launch` the package re-exports
+    launch_mod = sys.modules["distlab.launch"]
+    original = launch_mod.launch
+
+    @functools.wraps(original)
+    def launch(fn, world_size, *args, timeout=seconds, **kwargs):
+        return original(fn, world_size, *args, timeout=min(float(timeout), seconds), **kwargs)
+
+    launch_mod.launch = distlab.launch = launch
 
 
 def defined_names(source: str) -> list[str]:

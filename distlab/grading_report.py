@@ -11,7 +11,7 @@ from pathlib import Path
 # audit lists such code for the instructor to read. It changes no score.
 _SUSPICIOUS_CALLS = {"setattr", "delattr", "globals", "exec", "eval", "compile", "__import__", "vars"}
 _SUSPICIOUS_ATTRS = {"_getframe", "f_globals", "f_locals", "f_back", "modules", "_exit", "get_objects",
-                     "__builtins__", "__kwdefaults__", "__defaults__", "__code__", "kill", "fork"}
+                     "__builtins__", "__dict__", "__kwdefaults__", "__defaults__", "__code__", "kill", "fork"}
 _SUSPICIOUS_MODULES = {"builtins", "ctypes", "inspect", "gc", "signal", "subprocess", "distlab.checks",
                        "distlab.launch", "distlab.meters", "importlib", "socket", "zmq",
                        "jupyter_client", "multiprocessing", "threading"}
@@ -25,6 +25,10 @@ def audit(source: str) -> list[str]:
     except SyntaxError as exc:
         return [f"syntax error line {exc.lineno}"]
     notes: list[str] = []
+    modules = set(_PATCHABLE)   # names bound to imported modules: assigning their attributes patches them
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SUSPICIOUS_CALLS:
             notes.append(f"calls {node.func.id}() line {node.lineno}")
@@ -39,7 +43,7 @@ def audit(source: str) -> list[str]:
                 base = t
                 while isinstance(base, ast.Attribute):
                     base = base.value
-                if t is not base and isinstance(base, ast.Name) and base.id in _PATCHABLE:
+                if t is not base and isinstance(base, ast.Name) and base.id in modules:
                     notes.append(f"assigns to {ast.unparse(t)} line {node.lineno}")
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             notes.append(f"declares {type(node).__name__.lower()} {', '.join(node.names)} line {node.lineno}")
@@ -57,6 +61,10 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def markdown(results, detail: bool = False) -> str:
     """A table: one row per submission (score, first failure); with `detail`, one row per check."""
     if detail:
@@ -64,7 +72,7 @@ def markdown(results, detail: bool = False) -> str:
         for r in results:
             for v in r.verdicts:
                 rows.append(f"| {v.check} | {_fmt(v.points)}/{_fmt(v.max_points)} | "
-                            f"{'PASS' if not v.reason else 'FAIL: ' + v.reason} |".replace("\n", " "))
+                            f"{'PASS' if not v.reason else 'FAIL: ' + _cell(v.reason)} |")
             rows.append(f"| **total** | **{_fmt(r.score)}/{_fmt(r.max_score)}** | {r.note} |")
         return "\n".join(rows)
     rows = ["| Submission | Score | Max | Passed | Note / first failure | Audit |", "|---|---|---|---|---|---|"]
@@ -75,7 +83,7 @@ def markdown(results, detail: bool = False) -> str:
         if len(note) > 120:
             note = note[:117] + "..."
         rows.append(f"| {r.submission} | {_fmt(r.score)} | {_fmt(r.max_score)} | {passed}/{len(r.verdicts)} | "
-                    f"{note.replace('|', '/')} | {'; '.join(r.flags[:3]).replace('|', '/')} |")
+                    f"{_cell(note)} | {_cell('; '.join(r.flags[:3]))} |")
     return "\n".join(rows)
 
 

@@ -5,8 +5,10 @@ process session with a unique token in its environment. The worker runs the
 notebook with nbclient (per-cell timeout, interrupt on timeout, errors kept as
 cell outputs) and sends each executed cell back on a pipe
 only it holds. The kernel, its forkserver and the ranks
-inherit the token, so afterwards the grader can find and kill every one of
-them, even those that were re-parented or started their own session. Every
+inherit the token. The worker is a child subreaper: whatever a rank starts,
+even in a new session or with a cleared environment, stays below it, and the
+worker kills all of it before it exits; the grader then kills the worker's
+session and anything still carrying the token. Every
 file a worker, kernel or rank writes is capped (RLIMIT_FSIZE), so a flood of
 output stops the process that floods instead of filling the disk.
 """
@@ -44,10 +46,19 @@ def worker(src: str, fd: int, cell_timeout: float) -> int:
     `fd` is a pipe the kernel and the ranks never inherit, so nothing they do can
     write a result the grader reads.
     """
+    os.set_inheritable(fd, False)
+    _become_subreaper()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))   # the grader's deadline: clean up below
+    try:
+        return _execute(src, fd, cell_timeout)
+    finally:
+        _kill_descendants()
+
+
+def _execute(src: str, fd: int, cell_timeout: float) -> int:
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
-    os.set_inheritable(fd, False)
     channel = os.fdopen(fd, "w")
     nb = nbformat.read(src, as_version=4)
     client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
@@ -68,6 +79,36 @@ def worker(src: str, fd: int, cell_timeout: float) -> int:
     channel.write(json.dumps({"note": note}) + "\n")
     channel.close()
     return 0
+
+
+def _become_subreaper() -> None:
+    """Orphans below this process (a learner's daemon, double-forked or not) are re-parented here."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_descendants() -> None:
+    me = psutil.Process()
+    for _ in range(20):
+        kids = me.children(recursive=True)
+        if not kids:
+            break
+        for k in kids:
+            try:
+                k.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(kids, timeout=2)
+        while True:   # reap re-parented orphans
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
 
 
 def _limit_files() -> None:
@@ -133,6 +174,11 @@ def run_isolated(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float,
             proc.wait(timeout=total_timeout)
         except subprocess.TimeoutExpired:
             note = f"timed out: the notebook did not finish within {total_timeout:g} s"
+            proc.terminate()          # the worker kills everything below it, then exits
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
