@@ -94,7 +94,8 @@ def timeline(spans: Iterable[Any], *, title: str = "Per-rank timeline") -> plt.F
     ranks = sorted({r["rank"] for r in rows})
     fig, ax = plt.subplots(figsize=(8, 0.9 * len(ranks) + 1.2))
     for r in rows:
-        y = ranks.index(r["rank"]) + (0.18 if r["kind"] == "compute" else -0.18)
+        # The y axis is inverted below (rank 0 on top): compute takes the upper half of a row.
+        y = ranks.index(r["rank"]) + (-0.18 if r["kind"] == "compute" else 0.18)
         ax.barh(y, (r["end"] - r["start"]) * 1e3, left=(r["start"] - t0) * 1e3, height=0.34,
                 color=KIND_COLORS[r["kind"]], edgecolor="white", linewidth=0.4)
     ax.set_yticks(range(len(ranks)), [f"rank {k}" for k in ranks])

@@ -125,3 +125,48 @@ def test_timeline_records_compute_and_async_comm(no_orphans):
     assert all(s.end >= s.start for s in spans)
     from distlab.plots import timeline
     assert timeline(spans).axes[0].get_xlabel() == "time (ms)"
+
+
+def test_memory_books_storage_resizes():
+    with track_memory("cpu") as mem:
+        t = torch.empty(1000)                 # 4000 B
+        t.untyped_storage().resize_(0)        # freed the FSDP2 way
+        assert mem.current_bytes == 0
+        t.untyped_storage().resize_(8000)     # allocated again
+        assert (mem.current_bytes, mem.peak_bytes) == (8000, 8000)
+    assert mem.stats().current_bytes == 8000
+    assert torch.UntypedStorage.resize_.__name__ == "resize_" and "booking" not in repr(torch.UntypedStorage.resize_)
+
+
+def _fsdp_memory():
+    from torch.distributed.fsdp import fully_shard
+    with track_memory() as mem:
+        model = build_model("tiny")
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        built = mem.current_bytes
+        x, y = split_batch(synthetic_batch(0, 8, model.config), distlab.rank(), distlab.world_size())
+        lm_loss(model, x, y).backward()
+    state = model_state(model)
+    return built, mem.peak_bytes, state.params, num_params(model)
+
+
+def test_memory_tracks_fsdp2_dtensor_params(no_orphans):
+    for built, peak, params, psi in distlab.launch(_fsdp_memory, 2):
+        assert params == pytest.approx(4 * psi / 2, rel=0.02)    # each rank holds half (+ padding)
+        assert peak > built >= params                             # gathered units came and went
+
+
+def _untimed_gloo_work():
+    from distlab.collectives import all_gather_tensor
+    tl = Timeline()
+    inp = torch.ones(10)
+    work = tl.track("all_gather", all_gather_tensor(torch.empty(20), inp, async_op=True))
+    work.wait()
+    return tl.spans
+
+
+def test_timeline_tracks_works_without_a_future(no_orphans):
+    spans = distlab.launch(_untimed_gloo_work, 2)
+    assert [(s.name, s.kind) for s in spans[0]] == [("all_gather", "comm")]

@@ -7,6 +7,14 @@ output storage that did not exist before (views and in-place results alias
 an input and are skipped; storages made before tracking began are never
 counted), and a weak reference tells it when the storage is freed.
 
+FSDP2 parameters are DTensors (a wrapper with no storage of its own): the
+tracker counts the rank-local tensor inside. FSDP2 also frees and re-creates
+unsharded parameters with `untyped_storage().resize_()`, which is not a
+dispatcher op: while tracking, `resize_` is wrapped so that each resize is
+booked as a free of the old bytes and an allocation of the new ones (freeing
+a storage made before tracking began lowers `current_bytes` below zero, as
+CUDA's counters would).
+
 What the CPU tracker cannot see: storages created outside the dispatcher
 (`torch.from_numpy`, unpickling, buffers private to a C++ library such as
 gloo's send/recv staging), and memory that is not a tensor (Python objects,
@@ -64,12 +72,12 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+        inputs = {_local(t).untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
+                storage = _local(t).untyped_storage()
                 key = storage.data_ptr()
                 if key in inputs and key not in self._live:
                     # Output aliases an input we did not create: a view or an
@@ -79,8 +87,40 @@ class _StorageTracker(TorchDispatchMode):
                 self._note(storage)
         return out
 
+    def on_resize(self, old_key: int, old_bytes: int, storage: torch.UntypedStorage) -> None:
+        """Book `storage.resize_()`: the old bytes are freed, the new ones allocated."""
+        if old_key in self._live:
+            self._release(old_key)
+        elif old_bytes:
+            self.current_bytes -= old_bytes
+        key = storage.data_ptr()
+        if storage.nbytes() and key not in self._live:
+            self._live[key] = storage.nbytes()
+            self.current_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            weakref.finalize(storage, self._release, key)
+
     def stats(self) -> MemoryStats:
         return MemoryStats(self.current_bytes, self.peak_bytes)
+
+
+@contextmanager
+def _booking_resizes(tracker: _StorageTracker) -> Iterator[None]:
+    """Wrap `UntypedStorage.resize_` for the block so the tracker sees resizes."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        old_key, old_bytes = storage.data_ptr(), storage.nbytes()
+        out = original(storage, size)
+        if storage.device.type == "cpu":
+            tracker.on_resize(old_key, old_bytes, storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
 class _CudaTracker:
@@ -116,7 +156,7 @@ def track_memory(device: torch.device | str | None = None) -> Iterator[Any]:
     if dev.type == "cuda":
         yield _CudaTracker(dev)
         return
-    with _StorageTracker() as tracker:
+    with _StorageTracker() as tracker, _booking_resizes(tracker):
         yield tracker
 
 

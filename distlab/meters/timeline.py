@@ -50,10 +50,33 @@ class Timeline:
     def track(self, name: str, work: Any) -> Any:
         """Record an async collective from now until its `Work` completes.
 
-        The end is stamped by the work's future callback, on the thread that
-        completes it, so waiting later does not stretch the span.
+        Where the backend offers a future, its callback stamps the end on the
+        thread that completes the work, so waiting later does not stretch the
+        span. gloo's all_gather_single / reduce_scatter_single works have no
+        future (torch 2.13): then the end is stamped when `wait()` returns, an
+        upper bound. Use the returned object in place of `work`.
         """
         start = time.perf_counter()
-        work.get_future().add_done_callback(
-            lambda _f: self.add(name, "comm", start, time.perf_counter()))
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            return _StampOnWait(work, lambda: self.add(name, "comm", start, time.perf_counter()))
+        future.add_done_callback(lambda _f: self.add(name, "comm", start, time.perf_counter()))
         return work
+
+
+class _StampOnWait:
+    """A `Work` whose `wait()` also records when it returned (once)."""
+
+    def __init__(self, work: Any, stamp: Any) -> None:
+        self._work, self._stamp = work, stamp
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._work.wait(*args, **kwargs)
+        if self._stamp is not None:
+            self._stamp()
+            self._stamp = None
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
