@@ -196,13 +196,20 @@ def main(args) -> int:
     subs = list(args.submissions)
     if args.self:
         if not subs:
-            lab_path = load_lab(args.lab).path
-            subs = [Path("labs") / lab_path.name]
+            try:
+                subs = [Path("labs") / load_lab(args.lab).path.name]
+            except (FileNotFoundError, ValueError) as exc:
+                print(f"distlab grade: {exc}", file=sys.stderr)
+                return 2
     elif not subs:
         print("distlab grade: give at least one submission (a notebook or a folder), or --self", file=sys.stderr)
         return 2
-    results = grade(args.lab, subs, out=args.out, cell_timeout=args.timeout, rank_timeout=args.rank_timeout,
-                    jobs=args.jobs, only=args.only, keep=args.keep, echo=not args.self)
+    try:
+        results = grade(args.lab, subs, out=args.out, cell_timeout=args.timeout, rank_timeout=args.rank_timeout,
+                        jobs=args.jobs, only=args.only, keep=args.keep, echo=not args.self)
+    except (FileNotFoundError, ValueError) as exc:   # no such lab, a lab without checks, --only matching nothing
+        print(f"distlab grade: {exc}", file=sys.stderr)
+        return 2
     print(markdown(results, detail=args.self))
     if args.out is not None:
         print(f"wrote {args.out}/grades.csv, grades.md, junit.xml")

@@ -162,8 +162,8 @@ def test_the_graded_notebook_gives_the_same_verdicts_under_nbval(tmp_path, no_or
 # ---------------------------------------------------------------- chapters 1 and 2: a synthetic class each
 
 def _grade_class(tmp_path, lab, klass, only):
-    paths = list(mk.write(klass, tmp_path / "class").values())
-    return grade(lab, paths, out=tmp_path / "grades", only=only, cell_timeout=240, rank_timeout=15,
+    mk.write(klass, tmp_path / "class")
+    return grade(lab, [tmp_path / "class"], out=tmp_path / "grades", only=only, cell_timeout=240, rank_timeout=15,
                  jobs=3, echo=True)
 
 
