@@ -29,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=None, help="write grades.csv, grades.md, junit.xml here")
     g.add_argument("--timeout", type=float, default=300, help="seconds per notebook cell (default 300)")
     g.add_argument("--rank-timeout", type=float, default=60,
-                   help="seconds per launch of ranks inside a check (default 60)")
+                   help="cap on every launch of ranks inside a check, in seconds (default 60)")
     g.add_argument("--jobs", type=int, default=1, help="submissions graded at once (default 1)")
     g.add_argument("--only", action="append", default=None, metavar="TEXT",
                    help="grade only the verdict lines containing TEXT (repeatable)")
     g.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                   help="keep each graded notebook in DIR/NAME/graded.ipynb (runs under pytest --nbval-lax too)")
+                   help="keep each graded notebook in DIR/NAME-HASH/ (graded.ipynb also runs under pytest --nbval-lax)")
     g.add_argument("--self", action="store_true",
                    help="a learner checking their own labs/LAB.ipynb (or the given notebook) before handing it in")
 
