@@ -9,21 +9,28 @@ the handle travels by pickle and is rebuilt on each rank by executing the
 learner's answer cells there, in a fresh namespace; the rank then calls the
 real function or class. So nothing the learner wrote can touch the kernel that
 prints the verdicts: not `check`, not `print`, not `compare`, not the check
-cells' helpers. What runs on a rank stays on that rank (see the README's
-instructor section for what that still allows).
+cells' helpers. On the rank, module attributes the learner rebinds (torch,
+torch.distributed, distlab, builtins) are put back after the answer cells run
+and each time a learner's function returns, so a check's own reference
+computation there is not fooled by `dist.all_reduce = ...`. Deeper tampering on
+a rank (editing objects in place) is not prevented; the audit flags it.
 """
 from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import hashlib
 import io
 import pickle
+import sys
+import types
 from typing import Any
 
 import cloudpickle
 
 _NAMESPACES: dict[str, dict] = {}   # per process: digest of the answers -> executed namespace
+_SNAPSHOTS: dict[str, dict] = {}    # ... -> module attributes before the answers ran
 
 
 class GradingError(RuntimeError):
@@ -47,10 +54,45 @@ class Answers:
         self.digest = hashlib.sha256(repr(cells).encode()).hexdigest()
 
 
+_GUARDED = ("builtins", "torch", "torch.distributed", "torch.distributed.distributed_c10d")
+_MISSING = object()
+
+
+def _snapshot() -> dict:
+    """The attributes of the modules a check relies on, before any learner code runs on this rank."""
+    names = list(_GUARDED) + [m for m in sys.modules if m.startswith("distlab.") and "grading" not in m]
+    return {m: dict(vars(sys.modules[m])) for m in names if m in sys.modules}
+
+
+def _restore(snapshot: dict) -> None:
+    """Undo what learner code rebound in those modules (e.g. `dist.all_reduce = ...`)."""
+    for m, saved in snapshot.items():
+        current = vars(sys.modules[m])
+        for key, value in saved.items():
+            if current.get(key, _MISSING) is not value:
+                current[key] = value
+
+
+def _guard(fn: Any, snapshot: dict) -> Any:
+    """A learner's function whose module patches are undone each time it returns to the check."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _restore(snapshot)
+    return guarded
+
+
 def _materialize(answers: Answers, env: dict, name: str) -> Any:
     """On a rank: execute the answers once per process and return the learner's `name`."""
     ns = _NAMESPACES.get(answers.digest)
     if ns is None:
+        snapshot = _snapshot()
+        _SNAPSHOTS[answers.digest] = snapshot
         ns = {"__name__": "__main__", "__builtins__": builtins}
         ns.update(env)
         errors = {}
@@ -59,10 +101,11 @@ def _materialize(answers: Answers, env: dict, name: str) -> Any:
                 exec(compile(src, f"<answer cell {cell_id}>", "exec"), ns)  # noqa: S102 - the learner's answer, on a rank
             except Exception as exc:  # noqa: BLE001 - reported when a name is missing
                 errors[cell_id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        _restore(snapshot)
         ns["__distlab_answer_errors__"] = errors
         _NAMESPACES[answers.digest] = ns
     if name in ns:
-        return ns[name]
+        return _guard(ns[name], _SNAPSHOTS[answers.digest])
     errors = ns.get("__distlab_answer_errors__", {})
     why = f" (your answer cell raised {'; '.join(errors.values())})" if errors else ""
     raise GradingError(f"your notebook does not define {name}{why}")

@@ -184,8 +184,12 @@ def test_chapter1_class(tmp_path, no_orphans):
     """Graded on the reduce-scatter check cell: values and traffic on 2, 3 and 4 ranks (6 points)."""
     results = _grade_class(tmp_path, "01_collectives", mk.ch1_class(), only=["reduce_scatter"])
     assert _scores(results) == {"correct": 6, "not_started": 0, "wrong": 0, "partial": 3, "crashing": 0,
-                                "hanging": 0, "tampered_check": 0, "deleted_check": 3, "invalid_json": 0}
+                                "hanging": 0, "tampered_check": 0, "deleted_check": 3, "invalid_json": 0,
+                                "rank_side_patch": 0}
     assert any("called all_reduce" in r for r in _reasons(results, "partial"))
+    assert any("max |your result - reference|" in r for r in _reasons(results, "rank_side_patch"))
+    flags = next(r.flags for r in results if Path(r.submission).stem == "rank_side_patch")
+    assert any("assigns to dist.all_reduce" in f for f in flags)
     assert all("not implemented yet" in r for r in _reasons(results, "not_started"))
     assert any("ZeroDivisionError" in r for r in _reasons(results, "crashing"))
     assert all("timed out" in r for r in _reasons(results, "hanging"))
