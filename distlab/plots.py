@@ -9,7 +9,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 
-COMPONENT_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_state": "#55A868", "other": "#8C8C8C"}
+COMPONENT_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_state": "#55A868", "other": "#8C8C8C",
+                    "total": "#C7C7C7"}  # "total": a prediction given without a split
 KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452"}
 MB = 2 ** 20
 
@@ -23,7 +24,7 @@ def memory_bars(measured: Sequence[Mapping[str, float]], labels: Sequence[str],
     """
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels) + 2), 3.6))
     width = 0.38 if predicted else 0.6
-    components = [c for c in COMPONENT_COLORS if any(c in m for m in measured)]
+    components = [c for c in COMPONENT_COLORS if any(c in m for m in list(measured) + list(predicted or []))]
     for j, series in enumerate([measured] + ([predicted] if predicted else [])):
         bottom = [0.0] * len(labels)
         xs = [i + (j - 0.5) * width if predicted else i for i in range(len(labels))]
@@ -31,7 +32,7 @@ def memory_bars(measured: Sequence[Mapping[str, float]], labels: Sequence[str],
             vals = [s.get(comp, 0) / unit for s in series]
             ax.bar(xs, vals, width, bottom=bottom, color=COMPONENT_COLORS[comp],
                    hatch="//" if j else None, edgecolor="white" if not j else "black", linewidth=0.5,
-                   label=comp.replace("_", " ") if j == 0 else None)
+                   label=comp.replace("_", " ") if (j == 0 or comp == "total") and any(vals) else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("MiB" if unit == MB else f"x{unit:g} bytes")

@@ -44,3 +44,12 @@ def test_memory_vs_n_figure_needs_several_world_sizes():
     measured = [l for l in fig.axes[0].lines if l.get_marker() == "o"][0]
     assert list(measured.get_xdata()) == [1, 2, 4]
     assert list(measured.get_ydata()) == [16e6 / 2**20, 10e6 / 2**20, 7e6 / 2**20]
+
+
+def test_figures_accept_a_prediction_given_as_a_total(tmp_path):
+    from distlab.tour import _figures
+    rec = {"name": "ddp", "world_size": 2, "model_state_bytes": {"params": 4, "grads": 4, "optimizer_state": 8},
+           "predicted_model_state_bytes": 16, "samples_per_s": 10.0}
+    made = _figures({"machine": {"backend": "gloo"}, "strategies": [rec]}, tmp_path)
+    assert made == ["strategies_memory.png", "strategies_throughput.png"]
+    assert all((tmp_path / f).stat().st_size > 1000 for f in made)
