@@ -68,11 +68,13 @@ def make_lab(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
             if ANSWER_TAG not in tags:
                 tags.append(ANSWER_TAG)
         if is_check_cell(cell):
-            # Keep only the verdict text nbval compares against.
-            cell.outputs = [o for o in cell.outputs if o.get("output_type") == "stream" and o.get("name") == "stdout"]
+            # Keep only the verdict text nbval compares against, and an execution
+            # count: nbval refuses reference outputs on a cell marked unrun.
+            cell.outputs = [o for o in cell.outputs if o.get("output_type") == "execute_result"
+                            or (o.get("output_type") == "stream" and o.get("name") == "stdout")]
         else:
             cell.outputs = []
-        cell.execution_count = None
+            cell.execution_count = None
     return lab
 
 

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from distlab.labs import is_check_cell, make_lab, strip_answers, sync_labs
+from distlab.labs import CHECK_TAG, is_check_cell, make_lab, strip_answers, sync_labs
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -62,3 +62,25 @@ def test_unfilled_lab_fails_every_graded_check(solution, tmp_path, no_orphans):
         out = _stdout(cell)
         assert "FAIL " in out, f"check cell printed no FAIL on the unfilled lab:\n{cell.source}\n{out}"
         assert "PASS " not in out, f"a check passes on the unfilled lab (cannot fail?):\n{out}"
+
+
+def test_a_finished_lab_passes_nbval(tmp_path):
+    """A learner who fills in the stubs passes `pytest --nbval-lax` on their lab."""
+    import subprocess
+    import sys
+
+    from nbformat.v4 import new_code_cell, new_notebook
+    answer = "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION"
+    check_src = "from distlab.checks import check, expect\ncheck('double', lambda: expect(double(2) == 4, 'no'))"
+    solution = new_notebook(cells=[new_code_cell(answer), new_code_cell(check_src, metadata={"tags": [CHECK_TAG]})],
+                            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    NotebookClient(solution, timeout=120, kernel_name="python3").execute()
+    assert _stdout(solution.cells[1]) == "PASS double\n"
+    lab = make_lab(solution)
+    assert "NotImplementedError" in lab.cells[0].source
+    lab.cells[0].source = "def double(x):\n    return x + x"  # the learner's answer
+    path = tmp_path / "lab.ipynb"
+    nbformat.write(lab, path)
+    out = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider", str(path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-6000:]
