@@ -23,8 +23,10 @@ import sys
 import threading
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import nbformat
+
 import psutil
 
 TOKEN_VAR = "DISTLAB_GRADE_TOKEN"
@@ -90,25 +92,35 @@ def _become_subreaper() -> None:
         pass
 
 
-def _kill_descendants() -> None:
-    me = psutil.Process()
+def _kill_until_gone(find: Callable[[], list[psutil.Process]], after_round: Callable[[], None] | None = None) -> None:
+    """SIGKILL what `find()` returns, round after round, until it returns nothing."""
     for _ in range(20):
-        kids = me.children(recursive=True)
-        if not kids:
-            break
-        for k in kids:
+        procs = find()
+        if not procs:
+            return
+        for p in procs:
             try:
-                k.kill()
+                p.kill()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(kids, timeout=2)
-        while True:   # reap re-parented orphans
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        psutil.wait_procs(procs, timeout=2)
+        if after_round is not None:
+            after_round()
+
+
+def _reap_orphans() -> None:
+    """Collect the exit status of orphans re-parented to us (we are a subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _kill_descendants() -> None:
+    _kill_until_gone(lambda: psutil.Process().children(recursive=True), _reap_orphans)
 
 
 def _limit_files() -> None:
@@ -130,16 +142,7 @@ def tagged_processes(token: str) -> list[psutil.Process]:
 
 def kill_token(token: str) -> None:
     """SIGKILL everything that carries `token`, until nothing does."""
-    for _ in range(20):
-        procs = tagged_processes(token)
-        if not procs:
-            return
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=2)
+    _kill_until_gone(lambda: tagged_processes(token))
 
 
 def run_isolated(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float,
