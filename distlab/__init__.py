@@ -3,15 +3,15 @@
     import distlab
     distlab.launch(fn, 4)      # run fn on 4 ranks (NCCL with GPUs, gloo on CPU)
 """
-from distlab.launch import LaunchError, LaunchTimeout, RankFailed, launch
+from distlab.launch import LaunchError, LaunchStalled, LaunchTimeout, RankFailed, launch
 from distlab.mode import pick, quick
-from distlab.rank import backend, device, local_rank, print0, rank, run_under_torchrun, world_size
+from distlab.runtime import backend, device, local_rank, mesh, print0, rank, run_under_torchrun, world_size
 from distlab.results import record
 
 __all__ = [
-    "LaunchError", "LaunchTimeout", "RankFailed", "launch",
+    "LaunchError", "LaunchStalled", "LaunchTimeout", "RankFailed", "launch",
     "pick", "quick",
-    "backend", "device", "local_rank", "print0", "rank", "run_under_torchrun", "world_size",
+    "backend", "device", "local_rank", "mesh", "print0", "rank", "run_under_torchrun", "world_size",
     "record",
 ]
 __version__ = "0.1.0"

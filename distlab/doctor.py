@@ -45,7 +45,7 @@ def _all_reduce_job() -> dict[str, Any]:
     """Each rank contributes rank+1; every rank must end with N(N+1)/2. On CUDA,
     the memory meter must agree with the allocator on a known allocation."""
     from distlab.meters import track_memory
-    from distlab.rank import device, rank, world_size
+    from distlab.runtime import device, rank, world_size
     dev, n = device(), world_size()
     t = torch.full((1024,), float(rank() + 1), device=dev)
     dist.all_reduce(t)

@@ -10,8 +10,17 @@ so only the first launch pays for importing torch). The function travels with
 cloudpickle, so functions and classes defined in notebook cells work. The
 backend is NCCL with one GPU per rank when there are enough GPUs, else gloo on
 the CPU. Each rank's output is captured and replayed here in rank order.
-Failures come back as `RankFailed` / `LaunchTimeout`, and no process is left
-behind in any case, Jupyter's interrupt included.
+
+Slow is not hung. While ranks run, the launcher watches their CPU time: a
+rank that computes or moves bytes is working, however slow the machine; when
+no unfinished rank has done any work for `stall` seconds, they are waiting
+for each other forever (a collective some ranks skip, a recv without a
+send). Then each stuck rank's Python stack is read (faulthandler) and the
+launch raises `LaunchStalled`, which says where each rank waits. `timeout`
+is only a last-resort cap on the whole launch.
+
+Failures come back as `RankFailed` / `LaunchStalled` / `LaunchTimeout`, and
+no process is left behind in any case, Jupyter's interrupt included.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -30,16 +40,25 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import cloudpickle
-import psutil
 import torch
 import torch.distributed as dist
 
-from distlab import rank as _rank
+from distlab import procs
+from distlab import runtime as _runtime
 
 BACKENDS = ("auto", "nccl", "gloo")
-DEFAULT_TIMEOUT_S = 120.0
-_KILL_GRACE_S = 1.0
+# A last resort only: hangs are found by lack of progress (`stall`), not by the clock.
+DEFAULT_TIMEOUT_S = 4 * 3600.0
+# Seconds without any work on any unfinished rank before a launch counts as stuck.
+# A GPU rank may wait for its device with the CPU idle, so NCCL waits longer.
+DEFAULT_STALL_S = {"gloo": 10.0, "nccl": 60.0}
 _said_cpu_fallback = False
+
+
+def default_stall(backend: str) -> float:
+    """The stall window: $DISTLAB_STALL_S if set, else 10 s on gloo and 60 s on NCCL."""
+    env = os.environ.get("DISTLAB_STALL_S")
+    return float(env) if env else DEFAULT_STALL_S.get(backend, 10.0)
 
 
 class LaunchError(RuntimeError):
@@ -61,12 +80,59 @@ class RankFailed(LaunchError):
 class LaunchTimeout(LaunchError):
     """Some ranks did not finish in time. `ranks` lists them."""
 
-    def __init__(self, ranks: list[int], timeout_s: float):
+    def __init__(self, ranks: list[int], timeout_s: float, message: str | None = None):
         self.ranks = ranks
-        super().__init__(
-            f"rank(s) {ranks} did not finish within {timeout_s:g} s and were stopped. "
-            "A collective that only some ranks call waits forever: check that every rank "
-            "reaches the same collectives in the same order, or pass a larger timeout=.")
+        self.timeout_s = timeout_s
+        super().__init__(message or (
+            f"rank(s) {ranks} did not finish within {timeout_s:g} s and were stopped "
+            "(they were still working: pass a larger timeout= if the job is just long)."))
+
+
+class LaunchStalled(LaunchTimeout):
+    """Every unfinished rank waited `stall_s` seconds without doing any work.
+
+    `ranks` lists them; `stacks[r]` is where rank r was waiting (its Python
+    stack, innermost call last), `where[r]` the innermost line of it.
+    """
+
+    def __init__(self, ranks: list[int], stall_s: float, stacks: dict[int, str], finished: list[int]):
+        self.stacks = stacks
+        self.where = {r: _innermost(stacks.get(r, "")) for r in ranks}
+        lines = [f"rank(s) {ranks} waited {stall_s:g} s without doing any work: they wait for "
+                 "each other forever, and were stopped."]
+        for r in ranks:
+            lines.append(f"  rank {r} is stuck at {self.where[r] or 'an unknown place'}")
+        if finished:
+            lines.append(f"  rank(s) {finished} had already returned.")
+        lines.append("A collective (or a recv) that not every rank reaches in the same order waits forever: "
+                     "check that every send has a matching recv on its peer, and that all ranks call the same "
+                     "collectives with the same sizes.")
+        super().__init__(ranks, stall_s, "\n".join(lines))
+
+
+def _innermost(stack: str) -> str:
+    """'fn (file:line)' of the innermost frame of a faulthandler dump, skipping distlab's own."""
+    frames = []
+    for line in stack.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            # File "path", line N in fn
+            try:
+                path = line.split('"')[1]
+                rest = line.split('"')[2]
+                lineno = rest.split("line")[1].split()[0]
+                fn = rest.split(" in ")[-1].strip()
+            except IndexError:
+                continue
+            frames.append((path, lineno, fn))
+    # faulthandler prints the innermost frame first.
+    for path, lineno, fn in frames:
+        if "/distlab/" in path and "/checks/" not in path:
+            continue
+        if "/torch/" in path:
+            continue
+        return f"{fn} ({os.path.basename(path)}:{lineno})"
+    return ""
 
 
 def gpu_count() -> int:
@@ -105,7 +171,7 @@ def _context() -> Any:
         ctx = torch.multiprocessing.get_context("forkserver")
         # The server imports these once; each rank is then a cheap fork of it.
         # The server never touches CUDA, so NCCL children stay safe.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "distlab.rank"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "distlab.runtime"])
         return ctx
     return torch.multiprocessing.get_context("spawn")
 
@@ -148,28 +214,10 @@ def _pickle_payload(fn: Callable, args: tuple, kwargs: dict) -> bytes:
             "process groups inside the function, not outside it.") from None
 
 
-def _kill_tree(procs: list[Any]) -> None:
+def _kill_tree(ranks: list[Any]) -> None:
     """Stop ranks and anything they started: SIGTERM, a short grace, then SIGKILL."""
-    victims: list[psutil.Process] = []
-    for p in procs:
-        try:
-            root = psutil.Process(p.pid)
-            victims += root.children(recursive=True) + [root]
-        except psutil.NoSuchProcess:
-            pass
-    for v in victims:
-        try:
-            v.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=_KILL_GRACE_S)
-    for v in alive:
-        try:
-            v.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    for p in procs:
+    procs.kill_tree([p.pid for p in ranks if p.pid is not None])
+    for p in ranks:
         p.join(timeout=5)
 
 
@@ -196,21 +244,52 @@ def _read_error(workdir: str, r: int) -> dict | None:
         return cloudpickle.loads(f.read())
 
 
-def _wait(procs: list[Any], pipes: list[Any], workdir: str, timeout_s: float) -> list[Any]:
-    """Wait until every rank reports; on the first failure or the deadline, raise.
+def _stacks(ranks: list[Any], stuck: list[int], workdir: str) -> dict[int, str]:
+    """Where each stuck rank waits: ask it for its Python stack (SIGUSR1 -> faulthandler)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return {}
+    for r in stuck:
+        try:
+            os.kill(ranks[r].pid, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError):
+            pass
+    out: dict[int, str] = {}
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and len(out) < len(stuck):
+        time.sleep(0.05)
+        for r in stuck:
+            path = os.path.join(workdir, f"rank{r}.stack")
+            if r not in out and os.path.exists(path) and os.path.getsize(path):
+                time.sleep(0.05)  # let the dump finish
+                with open(path, errors="replace") as f:
+                    out[r] = f.read()
+    return out
+
+
+def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, stall_s: float) -> list[Any]:
+    """Wait until every rank reports; on the first failure, a stall or the deadline, raise.
 
     A rank reports on its pipe ("ok" or "err"); a rank that dies without a
     report is seen through its process sentinel.
     """
-    deadline = time.monotonic() + timeout_s
-    pending = set(range(len(procs)))
-    waitables = {pipes[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
+    start = time.monotonic()
+    deadline = start + timeout_s
+    pending = set(range(len(ranks)))
+    waitables = {pipes[r]: r for r in pending} | {ranks[r].sentinel: r for r in pending}
+    monitor = procs.ProgressMonitor()
+    last_work = start
     while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        now = time.monotonic()
+        if now >= deadline:
             raise LaunchTimeout(sorted(pending), timeout_s)
+        if monitor.busy([ranks[r].pid for r in pending], now):
+            last_work = now
+        elif now - last_work >= stall_s:
+            stuck = sorted(pending)
+            raise LaunchStalled(stuck, stall_s, _stacks(ranks, stuck, workdir),
+                                sorted(set(range(len(ranks))) - pending))
         # A short poll keeps KeyboardInterrupt responsive in Jupyter.
-        for obj in multiprocessing.connection.wait(list(waitables), timeout=min(left, 0.2)):
+        for obj in multiprocessing.connection.wait(list(waitables), timeout=min(deadline - now, 0.2)):
             r = waitables.pop(obj)
             if r not in pending:
                 continue
@@ -225,30 +304,46 @@ def _wait(procs: list[Any], pipes: list[Any], workdir: str, timeout_s: float) ->
             pending.discard(r)
             err = _read_error(workdir, r)
             if err is None:
-                procs[r].join(timeout=1)
+                ranks[r].join(timeout=1)
                 err = {"type": "ProcessDied", "traceback": "",
-                       "message": f"the process exited with code {procs[r].exitcode} without a Python "
+                       "message": f"the process exited with code {ranks[r].exitcode} without a Python "
                                   "error (killed, out of memory, or os._exit)"}
             others = f"unfinished at that moment: {sorted(pending)}" if pending else ""
             raise RankFailed(r, err["type"], err["message"], err["traceback"], others)
     results = []
-    for r in range(len(procs)):
+    for r in range(len(ranks)):
         with open(os.path.join(workdir, f"rank{r}.ok"), "rb") as f:
             results.append(cloudpickle.loads(f.read()))
     return results
 
 
+def audit_requested() -> bool:
+    """True when $DISTLAB_DEVICE_AUDIT asks every launch to audit device placement."""
+    return os.environ.get("DISTLAB_DEVICE_AUDIT", "0") not in ("", "0", "false", "False")
+
+
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
-           timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+           timeout: float | None = None, stall: float | None = None, audit: bool | None = None,
+           **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results by rank.
 
     The process group is up before `fn` starts and torn down after it ends.
-    `timeout` (seconds) bounds the whole launch and each collective.
-    Raises `RankFailed` if any rank raises, `LaunchTimeout` if some ranks do not
-    finish in time; in every case all ranks are stopped before it returns.
+    `stall` (seconds, default `default_stall(backend)`): how long every
+    unfinished rank may go without any work before the launch counts as stuck.
+    `timeout` (seconds, default 4 h): a last-resort cap on the whole launch.
+    `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU ranks, enforce the rule a
+    GPU enforces (see `distlab.audit`).
+    Raises `RankFailed` if any rank raises, `LaunchStalled` if the ranks wait
+    for each other forever, `LaunchTimeout` past the cap; in every case all
+    ranks are stopped before it returns.
     """
     world_size = _check_world_size(world_size)
     backend = resolve_backend(backend, world_size)
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+    stall = default_stall(backend) if stall is None else float(stall)
+    if timeout <= 0 or stall <= 0:
+        raise ValueError(f"timeout and stall must be positive seconds, got timeout={timeout}, stall={stall}")
+    audit = audit_requested() if audit is None else bool(audit)
     payload = _pickle_payload(fn, args, kwargs)
     # Quiet c10d's C++ INFO/WARNING lines in the ranks (they vary run to run).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -258,27 +353,27 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     # port, so concurrent launches never collide.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
-    procs: list[Any] = []
+    ranks: list[Any] = []
     pipes: list[Any] = []
     try:
         for r in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank.worker_main, name=f"distlab-rank{r}",
+            p = ctx.Process(target=_runtime.worker_main, name=f"distlab-rank{r}",
                             args=(r, world_size, backend, store.port, payload, workdir,
-                                  float(timeout), send_end))
+                                  timeout, send_end, audit))
             p.start()
             send_end.close()  # the child holds the only write end: EOF means it died
-            procs.append(p)
+            ranks.append(p)
             pipes.append(recv_end)
-        results = _wait(procs, pipes, workdir, timeout)
-        store.set(_rank.EXIT_KEY, "1")  # every rank succeeded: let them leave together
-        for p in procs:
+        results = _wait(ranks, pipes, workdir, timeout, stall)
+        store.set(_runtime.EXIT_KEY, "1")  # every rank succeeded: let them leave together
+        for p in ranks:
             p.join(timeout=10)
         return results
     finally:
-        # Runs on success, failure, timeout and KeyboardInterrupt alike.
-        _kill_tree([p for p in procs if p.is_alive()])
-        for p in procs:
+        # Runs on success, failure, stall, timeout and KeyboardInterrupt alike.
+        _kill_tree([p for p in ranks if p.is_alive()])
+        for p in ranks:
             p.join(timeout=5)
         for c in pipes:
             c.close()

@@ -27,10 +27,95 @@ rounding.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any, Callable, Iterable
 
 import torch
+
+# ---- which dtype the arithmetic runs in ----------------------------------------------------------
+# The lessons need bf16 *storage* (2-byte weights and gradients, 16 B/param,
+# bf16 traffic). They do not need bf16 *arithmetic* on a CPU that emulates it:
+# without AVX-512 BF16 or AMX a bf16 matmul is ~50x slower than fp32 (measured:
+# 512x512 on one thread, 193 ms vs 4.1 ms). So the course picks the compute
+# dtype here, once: bf16 where the device has it natively, fp32 otherwise.
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def native_bf16(device: torch.device | str | None = None) -> bool:
+    """Does `device` (default: the rank's) compute in bf16 at full speed?
+
+    GPUs: `torch.cuda.is_bf16_supported()`. CPUs: oneDNN's bf16 support
+    (AVX-512 BF16 or AMX). $DISTLAB_NATIVE_BF16=0 or 1 overrides the answer
+    (tests force the fallback with it).
+    """
+    forced = os.environ.get("DISTLAB_NATIVE_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if device is None:
+        from distlab.runtime import device as rank_device
+        device = rank_device()
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return _cpu_native_bf16()
+
+
+def compute_dtype(storage_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
+    """The dtype to compute in for weights stored as `storage_dtype` on `device`.
+
+    bf16/fp16 storage computes in that dtype where the device has it
+    natively, else in fp32 (the bytes stored and sent stay 2 per element).
+    Other dtypes compute as stored.
+    """
+    if storage_dtype in _LOW and not native_bf16(device):
+        return torch.float32
+    return storage_dtype
+
+
+def describe(device: torch.device | str | None = None) -> str:
+    """One line for a notebook: what bf16 storage computes in here, and why."""
+    if device is None:
+        from distlab.runtime import device as rank_device
+        device = rank_device()
+    device = torch.device(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"this CPU ({torch.backends.cpu.get_cpu_capability()})")
+    if native_bf16(device):
+        return f"bf16 weights compute in bf16: {where} has native bf16 arithmetic."
+    return (f"bf16 weights compute in fp32: {where} has no native bf16 arithmetic (it would be emulated, "
+            "~50x slower). Bytes stored and sent stay those of bf16.")
+
+
+def bf16_speed_ratio(n: int = 512, repeats: int = 3) -> float:
+    """bf16 matmul time / fp32 matmul time for an n x n product on one CPU thread (> 1: bf16 is slower)."""
+    import time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(n, n).to(dtype)
+            (a @ a)
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                (a @ a)
+                best = min(best, time.perf_counter() - start)
+            times[dtype] = best
+        return times[torch.bfloat16] / times[torch.float32]
+    finally:
+        torch.set_num_threads(threads)
 
 
 class MixedPrecisionAdam(torch.optim.Optimizer):

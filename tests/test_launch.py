@@ -84,12 +84,42 @@ def _hang_on_rank0():
     return distlab.rank()
 
 
-def test_hang_ends_at_timeout_naming_the_stuck_rank(no_orphans):
+def test_deadlock_is_found_within_the_stall_window_and_says_where(no_orphans):
+    start = time.monotonic()
+    with pytest.raises(distlab.LaunchStalled) as info:
+        distlab.launch(_hang_on_rank0, 2, stall=2)
+    took = time.monotonic() - start
+    assert info.value.ranks == [0]
+    assert 1.5 < took < 15, took
+    # Where rank 0 waits: the learner's line, not torch's internals.
+    assert "_hang_on_rank0" in info.value.where[0] and "test_launch.py" in info.value.where[0]
+    assert "rank(s) [1] had already returned" in str(info.value)
+    assert isinstance(info.value, distlab.LaunchTimeout)   # old `except LaunchTimeout` still catches it
+
+
+def _slow_but_working(seconds):
+    # Rank 1 computes for `seconds` (longer than the stall window) before joining the collective;
+    # rank 0 waits for it in the all-reduce, idle. Slow is not hung.
+    if distlab.rank() == 1:
+        end = time.monotonic() + seconds
+        x = torch.randn(64, 64)
+        while time.monotonic() < end:
+            x = torch.tanh(x @ x)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_slow_but_progressing_ranks_are_never_stopped(no_orphans):
+    assert distlab.launch(_slow_but_working, 2, 6.0, stall=2) == [2.0, 2.0]
+
+
+def test_cap_still_ends_a_launch_that_works_forever(no_orphans):
     start = time.monotonic()
     with pytest.raises(distlab.LaunchTimeout) as info:
-        distlab.launch(_hang_on_rank0, 2, timeout=3)
-    assert info.value.ranks == [0]
-    assert 2.5 < time.monotonic() - start < 15
+        distlab.launch(_slow_but_working, 2, 600.0, timeout=3)
+    assert not isinstance(info.value, distlab.LaunchStalled)
+    assert info.value.ranks == [0, 1] and 2.5 < time.monotonic() - start < 15
 
 
 def test_process_that_dies_without_python_error(no_orphans):

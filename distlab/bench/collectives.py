@@ -25,7 +25,7 @@ from distlab import theory
 from distlab.collectives import all_gather_tensor, reduce_scatter_tensor
 from distlab.launch import launch
 from distlab.meters.timing import sync
-from distlab.rank import device
+from distlab.runtime import device
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 

@@ -1,8 +1,8 @@
 """Measurements taken on a rank: memory, communication, time, timelines."""
 from distlab.meters.comm import CommStats, track_comm
-from distlab.meters.memory import MemoryStats, ModelState, model_state, track_memory
-from distlab.meters.timeline import Span, Timeline
+from distlab.meters.memory import MemoryStats, ModelState, held_bytes, model_state, track_memory
+from distlab.meters.timeline import Span, Timeline, profile_spans
 from distlab.meters.timing import PhaseTimer, Throughput, sync, throughput, time_call
 
-__all__ = ["CommStats", "track_comm", "MemoryStats", "ModelState", "model_state", "track_memory",
-           "Span", "Timeline", "PhaseTimer", "Throughput", "sync", "throughput", "time_call"]
+__all__ = ["CommStats", "track_comm", "MemoryStats", "ModelState", "held_bytes", "model_state", "track_memory",
+           "Span", "Timeline", "profile_spans", "PhaseTimer", "Throughput", "sync", "throughput", "time_call"]

@@ -100,6 +100,10 @@ class _StorageTracker(TorchDispatchMode):
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             weakref.finalize(storage, self._release, key)
 
+    def reset_peak(self) -> None:
+        """From now on, the peak is measured from the current bytes (the peak of one phase)."""
+        self.peak_bytes = self.current_bytes
+
     def stats(self) -> MemoryStats:
         return MemoryStats(self.current_bytes, self.peak_bytes)
 
@@ -140,6 +144,11 @@ class _CudaTracker:
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) - self._base
 
+    def reset_peak(self) -> None:
+        """From now on, the peak is measured from the current bytes (the peak of one phase)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def stats(self) -> MemoryStats:
         torch.cuda.synchronize(self.device)
         return MemoryStats(self.current_bytes, self.peak_bytes)
@@ -147,11 +156,16 @@ class _CudaTracker:
 
 @contextmanager
 def track_memory(device: torch.device | str | None = None) -> Iterator[Any]:
-    """Measure bytes allocated inside the block: `.current_bytes`, `.peak_bytes`, `.stats()`.
+    """Measure bytes allocated inside the block: `.current_bytes`, `.peak_bytes`, `.stats()`,
+    `.reset_peak()` (start a new phase).
 
-    `device` defaults to this rank's device (`distlab.device()`).
+    `device` defaults to this rank's device (`distlab.device()`). On CUDA the
+    figures are the caching allocator's (blocks rounded to 512 B, plus
+    workspaces cuBLAS/NCCL allocate on first use): run one step before the
+    block to warm up, and compare with a tolerance, or compare model states
+    (`model_state`), which are exact on every device.
     """
-    from distlab.rank import device as rank_device
+    from distlab.runtime import device as rank_device
     dev = torch.device(device) if device is not None else rank_device()
     if dev.type == "cuda":
         yield _CudaTracker(dev)
@@ -214,3 +228,40 @@ def model_state(params: Any, grads: Any = None, optimizer: Any = None) -> ModelS
     g_list = [p.grad for p in p_list if p.grad is not None] if grads is None else list(_tensors(grads))
     return ModelState(_storage_bytes(p_list, seen), _storage_bytes(g_list, seen),
                       _storage_bytes(_tensors(optimizer), seen))
+
+
+def held_bytes(*roots: Any, depth: int = 3) -> int:
+    """Bytes of every tensor storage reachable from `roots`, each storage once.
+
+    Walks tensors (and their `.grad`), modules (parameters, buffers),
+    optimizers (their state), dicts, lists, tuples, sets and plain objects'
+    attributes, up to `depth` levels: what these objects keep alive between
+    steps, on whatever device they live.
+    """
+    seen: dict[tuple[str, int], int] = {}
+    stack = [(r, 0) for r in roots]
+    visited: set[int] = set()
+    while stack:
+        obj, d = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            for u in (obj, obj.grad):
+                if isinstance(u, torch.Tensor):
+                    s = _local(u).untyped_storage()
+                    key = (str(u.device), s.data_ptr())
+                    if s.data_ptr():
+                        seen[key] = max(seen.get(key, 0), s.nbytes())
+            continue
+        if id(obj) in visited or d > depth:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            stack += [(t, d + 1) for t in list(obj.parameters()) + list(obj.buffers())]
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack += [(v, d + 1) for v in obj.state.values()]
+        elif isinstance(obj, dict):
+            stack += [(v, d + 1) for v in list(obj.keys()) + list(obj.values())]
+        elif isinstance(obj, (list, tuple, set)):
+            stack += [(v, d + 1) for v in obj]
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack += [(v, d + 1) for v in vars(obj).values()]
+    return sum(seen.values())

@@ -64,6 +64,19 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def mesh(*shape: int, names: tuple[str, ...] | None = None) -> Any:
+    """A DeviceMesh over this job's ranks, built on the rank's device type.
+
+    `mesh()` is the 1-D mesh of every rank, for `fully_shard(model, mesh=mesh())`;
+    `mesh(2, 2, names=("dp", "tp"))` a 2-D one. Always pass a mesh to
+    `fully_shard`: without one it builds a mesh on the machine's accelerator
+    type, which is CUDA on a GPU box even when the ranks run gloo on the CPU.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    shape = shape or (world_size(),)
+    return init_device_mesh(device().type, tuple(shape), mesh_dim_names=names)
+
+
 def print0(*args: Any, **kwargs: Any) -> None:
     """print on rank 0 only: one line per job instead of one per rank."""
     if rank() == 0:
@@ -100,7 +113,8 @@ def run_under_torchrun(fn: Any, *args: Any, **kwargs: Any) -> Any:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     use_nccl = (torch.cuda.is_available() and dist.is_nccl_available()
                 and torch.cuda.device_count() >= local_world)
-    init_process_group("nccl" if use_nccl else "gloo", timeout_s=float(os.environ.get("DISTLAB_TIMEOUT", 300)))
+    # A collective waits this long for its peers (a last resort: slow is not hung).
+    init_process_group("nccl" if use_nccl else "gloo", timeout_s=float(os.environ.get("DISTLAB_TIMEOUT", 4 * 3600)))
     try:
         return fn(*args, **kwargs)
     finally:
@@ -126,8 +140,17 @@ def _redirect_output(stdout_path: str, stderr_path: str) -> None:
 EXIT_KEY = "distlab/exit"
 
 
+def _stack_on_request(path: str) -> None:
+    """On SIGUSR1, write this process's Python stacks to `path` (the launcher asks when a rank is stuck)."""
+    import faulthandler
+    import signal
+    if hasattr(signal, "SIGUSR1"):
+        f = open(path, "w")  # noqa: SIM115 - stays open for the life of the rank
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=False, chain=False)
+
+
 def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
-                payload: bytes, workdir: str, timeout_s: float, notify: Any) -> None:
+                payload: bytes, workdir: str, timeout_s: float, notify: Any, audit: bool = False) -> None:
     """Entry point of one rank started by `distlab.launch`.
 
     Writes `rank{r}.ok` (the pickled return value) or `rank{r}.err` (type,
@@ -140,6 +163,7 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
     import cloudpickle
 
     _redirect_output(os.path.join(workdir, f"rank{rank_}.out"), os.path.join(workdir, f"rank{rank_}.errlog"))
+    _stack_on_request(os.path.join(workdir, f"rank{rank_}.stack"))
     quiet_library_warnings()
     os.environ.update(RANK=str(rank_), WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
                       LOCAL_WORLD_SIZE=str(world_size_), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -151,7 +175,13 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
         init_process_group(backend_name, timeout_s=timeout_s, store=store,
                            rank_=rank_, world_size_=world_size_)
         fn, args, kwargs = cloudpickle.loads(payload)
-        result = _to_cpu(fn(*args, **kwargs))
+        if audit and backend_name != "nccl":
+            from distlab.audit import DeviceAudit
+            with DeviceAudit():
+                result = fn(*args, **kwargs)
+        else:
+            result = fn(*args, **kwargs)
+        result = _to_cpu(result)
         try:
             blob = cloudpickle.dumps(result)
         except Exception as exc:  # noqa: BLE001 - any pickling failure is the learner's to fix

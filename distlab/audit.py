@@ -1,0 +1,260 @@
+"""The device audit: on CPU ranks, enforce the rule a GPU enforces.
+
+On a GPU, a tensor created without `device=` lands on the CPU, and the first
+collective or the first op that mixes it with the rank's CUDA tensors raises.
+On CPU ranks every tensor is on the CPU, so the same bug passes silently and
+only shows up on a learner's workstation. Under the audit it raises here too:
+
+    DISTLAB_DEVICE_AUDIT=1 jupyter ...          # every launch audits
+    distlab.launch(fn, 2, audit=True)           # one launch audits
+
+Each tensor is classed by where it came from:
+
+- *placed*: created with an explicit device (not the literal string "cpu"),
+  moved with `.to(device)` / `.cuda()` / `module.to(device)`, or computed
+  from a placed tensor;
+- *host*: created without a device (`torch.zeros(n)`, `torch.tensor(...)`,
+  a fresh `nn.Linear`), or explicitly on "cpu" / `.cpu()`, or computed from
+  host tensors only. On a GPU these are CPU tensors;
+- unknown: made before the audit began, or by C++ code (DDP's buckets).
+
+A host tensor with more than one element may not enter a collective or meet a
+placed tensor in an op (`copy_`, `.to` and item access excepted, as on a GPU).
+A violation raises `DeviceAuditError` on the rank, naming the op, the shape and
+the line that created the host tensor. `fully_shard` without `mesh=` is
+refused too: it builds its mesh on the machine's accelerator type, not on the
+rank's device (on a GPU box with gloo ranks, every rank lands on cuda:0).
+
+`lint_source` finds, in notebook code, timings a GPU would make meaningless:
+a bare `time.perf_counter()` / `time.time()` measures how fast kernels were
+queued, not how fast they ran (use `distlab.meters.time_call`, `PhaseTimer`
+or `distlab.bench.race`).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import sys
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+PLACED, HOST = "placed", "host"
+
+# Factories: where the result lives is decided by their `device=` argument.
+_FACTORIES = {
+    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "linspace",
+    "logspace", "eye", "tensor", "as_tensor", "scalar_tensor", "empty_strided", "from_numpy", "frombuffer",
+    "sparse_coo_tensor", "normal", "tril_indices", "triu_indices", "bartlett_window", "hann_window",
+}
+# Ops that may legally take tensors on two devices (the GPU rule has these exceptions).
+_MIXING_ALLOWED = {"copy_", "to", "cpu", "cuda", "__setitem__", "set_", "item", "tolist", "numpy", "__get__",
+                   "__set__", "__repr__", "__format__", "__str__", "equal", "size", "dim", "numel", "stride",
+                   "data_ptr", "untyped_storage", "element_size", "__len__", "register_hook", "is_floating_point"}
+_SKIP_FILES = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep + "audit.py", "contextlib.py",
+               os.sep + "site-packages" + os.sep + "typing_extensions")
+
+
+class DeviceAuditError(RuntimeError):
+    """A tensor without the rank's device met a placed tensor or a collective."""
+
+
+def _where() -> str:
+    """'file:line in fn' of the innermost frame outside torch and this module."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not any(s in name for s in _SKIP_FILES):
+            return f"{_short(name)}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return "an unknown line"
+
+
+def _short(path: str) -> str:
+    if "ipykernel" in path:
+        return "a notebook cell"
+    parts = path.split(os.sep)
+    return os.sep.join(parts[-2:]) if len(parts) > 1 else path
+
+
+def _is_host_device(device: Any) -> bool:
+    """True for device=None (the default) and the literal string 'cpu': on a GPU box that is the CPU."""
+    return device is None or (isinstance(device, str) and device.split(":")[0] == "cpu")
+
+
+class _Book:
+    """Class of each tensor, and where host tensors were born: kept as attributes of the tensor
+    object itself, so they die with it (a view is a new object, classed from its base)."""
+
+    @staticmethod
+    def get(t: torch.Tensor) -> str | None:
+        return t.__dict__.get("_distlab_place") if hasattr(t, "__dict__") else None
+
+    @staticmethod
+    def born(t: torch.Tensor) -> str:
+        return (t.__dict__.get("_distlab_born") if hasattr(t, "__dict__") else None) or "an unknown line"
+
+    @staticmethod
+    def mark(t: torch.Tensor, kind: str, born: str | None = None) -> None:
+        try:
+            t.__dict__["_distlab_place"] = kind
+            t.__dict__["_distlab_born"] = born
+        except (AttributeError, TypeError):
+            pass
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"tensor of shape {tuple(t.shape)} ({t.dtype})"
+
+
+class _FunctionAudit(TorchFunctionMode):
+    """Sees every torch call with its original arguments: classes results, refuses mixing."""
+
+    def __init__(self, book: _Book) -> None:
+        super().__init__()
+        self.book = book
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _FACTORIES:
+            out = func(*args, **kwargs)
+            device = kwargs.get("device")
+            host = name in ("from_numpy", "frombuffer") or _is_host_device(device)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.book.mark(t, HOST if host else PLACED, _where() if host else None)
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        if name in ("to", "cuda", "cpu", "_to_copy"):
+            target = HOST if name == "cpu" else _to_target(args, kwargs)
+            if target is not None:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self.book.mark(t, target, _where() if target == HOST else None)
+                return out
+        kinds = [(t, self.book.get(t)) for t in tensors]
+        placed = [t for t, k in kinds if k == PLACED]
+        host = [t for t, k in kinds if k == HOST and t.dim() > 0 and t.numel() > 1]
+        if placed and host and name not in _MIXING_ALLOWED:
+            t = host[0]
+            raise DeviceAuditError(
+                f"device audit: {name}() mixes a tensor on the rank's device with a {_describe(t)} created "
+                f"without a device at {self.book.born(t)}. On a GPU this raises "
+                "'Expected all tensors to be on the same device'. Create it with device=distlab.device() "
+                "(or device=<a parameter>.device), or move it with .to(distlab.device()).")
+        result = PLACED if placed else (HOST if any(k == HOST for _, k in kinds) else None)
+        if result is not None:
+            born = None
+            if result == HOST:
+                src = next(t for t, k in kinds if k == HOST)
+                born = self.book.born(src)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and self.book.get(t) is None:
+                    self.book.mark(t, result, born)
+        return out
+
+
+def _to_target(args: tuple, kwargs: dict) -> str | None:
+    """HOST / PLACED for a `.to(...)` that names a device (or a tensor); None for a dtype-only `.to`."""
+    device = kwargs.get("device", None)
+    for a in list(args[1:]):
+        if isinstance(a, (str, torch.device)):
+            device = a
+        elif isinstance(a, torch.Tensor):
+            device = a.device
+    if device is None:
+        return None
+    return HOST if _is_host_device(device) else PLACED
+
+
+class _CollectiveAudit(TorchDispatchMode):
+    """Sees every collective at the dispatcher (c10d ops), whoever issued it: refuses host tensors."""
+
+    def __init__(self, book: _Book) -> None:
+        super().__init__()
+        self.book = book
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace in ("c10d", "_c10d_functional"):
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and self.book.get(t) == HOST and t.numel() > 1:
+                    raise DeviceAuditError(
+                        f"device audit: the collective {func.__name__.split('.')[0]} got a {_describe(t)} created "
+                        f"without a device at {self.book.born(t)}. Under NCCL every tensor "
+                        "of a collective must be on the rank's GPU. Create it with device=distlab.device() "
+                        "(or the device of the parameters it serves).")
+        return func(*args, **kwargs)
+
+
+def _refuse_meshless_fully_shard(*args: Any, **kwargs: Any) -> Any:
+    raise DeviceAuditError(
+        "device audit: fully_shard() was called without mesh=. It then builds its mesh on this machine's "
+        "accelerator type, not on the rank's device (gloo ranks on a GPU box would all land on cuda:0). "
+        "Pass mesh=distlab.mesh().")
+
+
+class DeviceAudit:
+    """Context manager: audit device placement on this (CPU) rank. See the module docstring."""
+
+    def __enter__(self) -> "DeviceAudit":
+        self.book = _Book()
+        self._modes = [_FunctionAudit(self.book), _CollectiveAudit(self.book)]
+        for m in self._modes:
+            m.__enter__()
+        # fully_shard looks its default mesh up by these names at call time.
+        self._patched = []
+        for module_name in ("torch.distributed.fsdp._fully_shard._fully_shard",
+                            "torch.distributed.fsdp._fully_shard._fsdp_init"):
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:   # another torch layout: nothing to refuse
+                continue
+            for attr in ("_init_default_mesh", "_init_default_fully_shard_mesh"):
+                if hasattr(module, attr):
+                    self._patched.append((module, attr, getattr(module, attr)))
+                    setattr(module, attr, _refuse_meshless_fully_shard)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, attr, original in self._patched:
+            setattr(module, attr, original)
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+
+
+# ---- static checks of notebook code ---------------------------------------------------------------
+
+def lint_source(source: str) -> list[str]:
+    """Problems a GPU would expose in one cell's code: bare timers (no device sync)."""
+    problems = []
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return problems
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            text = ast.unparse(node.func)
+            if text in ("time.perf_counter", "perf_counter", "time.perf_counter_ns", "time.time",
+                        "time.monotonic", "monotonic"):
+                problems.append(f"line {node.lineno}: {text}() times without waiting for the device "
+                                "(on a GPU it measures kernel launches): use distlab.meters.time_call, "
+                                "PhaseTimer or distlab.bench.race")
+    return problems
+
+
+def lint_notebook(path: str | os.PathLike) -> list[str]:
+    """`lint_source` over every code cell of a notebook: ['cell K line L: ...']."""
+    import nbformat
+    nb = nbformat.read(str(path), as_version=4)
+    out = []
+    for k, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            out += [f"cell {k} {p}" for p in lint_source(cell.source)]
+    return out
