@@ -30,3 +30,31 @@ def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async
     random (measured: chapter 5's "holds only its shard" check failed 1 run in 2).
     """
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+# ---- the pieces a hand-written ring needs (chapter 1's lab uses them, and so do its checks) ----
+
+def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """(start, end) of each of the n chunks of a flat tensor; chunk r belongs to rank r.
+
+    When n does not divide numel, the first numel % n chunks get one extra
+    element (with numel < n, the last chunks are empty).
+    """
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def combine(op, acc, incoming) -> None:
+    """acc <- acc (op) incoming, in place; op is dist.ReduceOp.SUM or dist.ReduceOp.MAX."""
+    import torch
+    if op == dist.ReduceOp.SUM:
+        acc.add_(incoming)
+    elif op == dist.ReduceOp.MAX:
+        torch.maximum(acc, incoming, out=acc)
+    else:
+        raise ValueError(f"combine supports SUM and MAX, got {op}")

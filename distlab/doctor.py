@@ -110,3 +110,13 @@ def doctor(run: bool = False) -> int:
         print(f"PROBLEM {p}")
     print("healthy" if not problems else f"{len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def add_parser(sub):
+    d = sub.add_parser("doctor", help="what this machine can run (backend, GPUs, bf16, world sizes)")
+    d.add_argument("--run", action="store_true", help="also launch a short job on every usable backend")
+    return d
+
+
+def run(args) -> int:
+    return doctor(run=args.run)

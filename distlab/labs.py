@@ -8,17 +8,23 @@ In a solution notebook every answer sits between fence lines:
         ### END SOLUTION
 
 The lab keeps the `def` line and replaces the fenced block with
-`raise NotImplementedError(...)` at the same indentation. Outputs are
-cleared, except those of graded check cells (tag `nbval-check-output`):
-they keep the solution's verdicts, which nbval compares against. The
-unfilled lab therefore fails exactly its graded checks.
+`raise NotImplementedError(...)` at the same indentation. Every output is
+cleared, so a learner opens a lab that shows no verdict. The solution's
+verdict lines of each graded check cell (tag `nbval-check-output`) are kept
+in the cell's metadata (`metadata.distlab.expected`), where the grader and
+nbval (through distlab's pytest plugin, `distlab.nbval_expected`) read them.
 
-    distlab labs           # regenerate labs/ from solutions/
-    distlab labs --check   # exit 1 if labs/ is out of date
+A maintainer's command, never a learner's: it refuses to overwrite a lab
+that was edited since it was generated (a learner's work), unless forced.
+
+    distlab build-labs            # regenerate labs/ from solutions/
+    distlab build-labs --check    # exit 1 if labs/ is out of date
 """
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from pathlib import Path
 
 import nbformat
@@ -56,8 +62,20 @@ def is_check_cell(cell: nbformat.NotebookNode) -> bool:
     return CHECK_TAG in cell.get("metadata", {}).get("tags", [])
 
 
+def verdict_lines(cell: nbformat.NotebookNode) -> list[str]:
+    """The PASS/FAIL lines a check cell printed (its stdout), in order."""
+    text = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    return [line for line in text.splitlines() if line.startswith(("PASS ", "FAIL "))]
+
+
+def expected_lines(cell: nbformat.NotebookNode) -> list[str]:
+    """The verdict lines a lab's check cell should print: kept in its metadata."""
+    return list(cell.get("metadata", {}).get("distlab", {}).get("expected", []))
+
+
 def make_lab(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The learner's version of an (executed) solution notebook."""
+    """The learner's version of an (executed) solution notebook: answers stubbed, no outputs."""
     lab = copy.deepcopy(solution)
     for cell in lab.cells:
         if cell.cell_type != "code":
@@ -68,36 +86,70 @@ def make_lab(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
             if ANSWER_TAG not in tags:
                 tags.append(ANSWER_TAG)
         if is_check_cell(cell):
-            # Keep only the verdict text nbval compares against, and an execution
-            # count: nbval refuses reference outputs on a cell marked unrun.
-            cell.outputs = [o for o in cell.outputs if o.get("output_type") == "execute_result"
-                            or (o.get("output_type") == "stream" and o.get("name") == "stdout")]
-        else:
-            cell.outputs = []
-            cell.execution_count = None
+            cell.metadata.setdefault("distlab", {})["expected"] = verdict_lines(cell)
+        cell.outputs = []
+        cell.execution_count = None
+    lab.metadata.setdefault("distlab", {})["generated"] = _digest(lab)
     return lab
+
+
+def _digest(nb: nbformat.NotebookNode) -> str:
+    """A hash of a lab's cells (sources and metadata), to tell a generated lab from an edited one."""
+    cells = [(c.cell_type, c.source, json.dumps(c.get("metadata", {}), sort_keys=True)) for c in nb.cells]
+    return hashlib.sha256(json.dumps(cells).encode()).hexdigest()[:16]
+
+
+def edited_since_generated(lab: nbformat.NotebookNode) -> bool:
+    """True when a lab's cells differ from what `make_lab` wrote (someone worked in it)."""
+    recorded = lab.get("metadata", {}).get("distlab", {}).get("generated")
+    return recorded != _digest(lab) or any(c.get("outputs") for c in lab.cells if c.cell_type == "code")
 
 
 def lab_path(solution_path: Path, labs_dir: Path) -> Path:
     return labs_dir / solution_path.name
 
 
-def sync_labs(root: Path = Path("."), *, check: bool = False) -> list[Path]:
+def build_labs(root: Path = Path("."), *, check: bool = False, force: bool = False) -> tuple[list[Path], list[Path]]:
     """Write (or with `check`, compare) labs/NN_*.ipynb for each solutions/NN_*.ipynb.
 
-    Returns the labs that were (or, with `check`, would be) changed.
+    Returns (labs written or, with `check`, stale; labs refused because they
+    were edited since they were generated: a learner's work, kept unless `force`).
     """
-    changed = []
+    changed, refused = [], []
     for sol in sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb")):
         lab = make_lab(nbformat.read(sol, as_version=4))
         target = lab_path(sol, root / "labs")
         text = nbformat.writes(lab) + "\n"
         if target.exists() and target.read_text() == text:
             continue
+        if check:
+            changed.append(target)
+            continue
+        if target.exists() and not force and edited_since_generated(nbformat.read(target, as_version=4)):
+            refused.append(target)
+            continue
         changed.append(target)
-        if not check:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
-    return changed
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return changed, refused
 
 
+
+
+def add_parser(sub):
+    b = sub.add_parser("build-labs", help="(maintainers) regenerate labs/ from solutions/, answers removed")
+    b.add_argument("--check", action="store_true", help="exit 1 if labs/ is out of date; write nothing")
+    b.add_argument("--force", action="store_true", help="overwrite labs edited since they were generated")
+    b.add_argument("--root", type=Path, default=Path("."), help="the checkout (default: here)")
+    return b
+
+
+def run(args) -> int:
+    changed, refused = build_labs(args.root, check=args.check, force=args.force)
+    for p in changed:
+        print(("stale: " if args.check else "wrote: ") + str(p))
+    for p in refused:
+        print(f"kept: {p} was edited since it was generated (someone's work); --force overwrites it")
+    if not changed and not refused:
+        print("labs/ is up to date")
+    return 1 if (args.check and changed) or refused else 0

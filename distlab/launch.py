@@ -95,13 +95,16 @@ class LaunchStalled(LaunchTimeout):
     stack, innermost call last), `where[r]` the innermost line of it.
     """
 
-    def __init__(self, ranks: list[int], stall_s: float, stacks: dict[int, str], finished: list[int]):
+    def __init__(self, ranks: list[int], stall_s: float, stacks: dict[int, str], finished: list[int],
+                 notes: dict[int, str] | None = None):
         self.stacks = stacks
         self.where = {r: _innermost(stacks.get(r, "")) for r in ranks}
+        self.notes = notes or {}
         lines = [f"rank(s) {ranks} waited {stall_s:g} s without doing any work: they wait for "
                  "each other forever, and were stopped."]
         for r in ranks:
-            lines.append(f"  rank {r} is stuck at {self.where[r] or 'an unknown place'}")
+            lines.append(f"  rank {r} is stuck at {self.where[r] or 'an unknown place'}"
+                         + (f" (it was doing: {self.notes[r]})" if self.notes.get(r) else ""))
         if finished:
             lines.append(f"  rank(s) {finished} had already returned.")
         lines.append("A collective (or a recv) that not every rank reaches in the same order waits forever: "
@@ -111,27 +114,29 @@ class LaunchStalled(LaunchTimeout):
 
 
 def _innermost(stack: str) -> str:
-    """'fn (file:line)' of the innermost frame of a faulthandler dump, skipping distlab's own."""
+    """'fn (where:line)' of the innermost frame of a faulthandler dump that is the learner's own
+    (not torch's, not distlab's engine); else the innermost distlab frame."""
     frames = []
     for line in stack.splitlines():
         line = line.strip()
-        if line.startswith("File "):
-            # File "path", line N in fn
-            try:
-                path = line.split('"')[1]
-                rest = line.split('"')[2]
-                lineno = rest.split("line")[1].split()[0]
-                fn = rest.split(" in ")[-1].strip()
-            except IndexError:
-                continue
-            frames.append((path, lineno, fn))
+        if not line.startswith("File "):
+            continue
+        try:   # File "path", line N in fn
+            _, path, rest = line.split('"', 2)
+            lineno = rest.split("line", 1)[1].split()[0]
+            fn = rest.rsplit(" in ", 1)[-1].strip()
+        except (ValueError, IndexError):
+            continue
+        frames.append((path, lineno, fn))
+    engine = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep, os.sep + "multiprocessing" + os.sep)
     # faulthandler prints the innermost frame first.
     for path, lineno, fn in frames:
-        if "/distlab/" in path and "/checks/" not in path:
-            continue
-        if "/torch/" in path:
-            continue
-        return f"{fn} ({os.path.basename(path)}:{lineno})"
+        if not any(e in path for e in engine):
+            place = "notebook cell" if "ipykernel" in path else os.path.basename(path)
+            return f"{fn} ({place}, line {lineno})"
+    for path, lineno, fn in frames:
+        if os.sep + "distlab" + os.sep in path:
+            return f"{fn} ({os.path.basename(path)}, line {lineno})"
     return ""
 
 
@@ -266,6 +271,18 @@ def _stacks(ranks: list[Any], stuck: list[int], workdir: str) -> dict[int, str]:
     return out
 
 
+def _notes(stuck: list[int], workdir: str) -> dict[int, str]:
+    """The last `distlab.runtime.progress` line of each stuck rank."""
+    out = {}
+    for r in stuck:
+        try:
+            with open(os.path.join(workdir, f"rank{r}.note"), errors="replace") as f:
+                out[r] = f.read().strip()
+        except OSError:
+            pass
+    return out
+
+
 def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, stall_s: float) -> list[Any]:
     """Wait until every rank reports; on the first failure, a stall or the deadline, raise.
 
@@ -287,7 +304,7 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
         elif now - last_work >= stall_s:
             stuck = sorted(pending)
             raise LaunchStalled(stuck, stall_s, _stacks(ranks, stuck, workdir),
-                                sorted(set(range(len(ranks))) - pending))
+                                sorted(set(range(len(ranks))) - pending), _notes(stuck, workdir))
         # A short poll keeps KeyboardInterrupt responsive in Jupyter.
         for obj in multiprocessing.connection.wait(list(waitables), timeout=min(deadline - now, 0.2)):
             r = waitables.pop(obj)

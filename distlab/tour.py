@@ -219,3 +219,17 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
     big = [r for r in summary["collectives"] if r["op"] == "all_reduce" and r["impl"] == "library"][-1]
     print(f"  all-reduce busbw at {big['bytes'] / 2**20:.0f} MiB on {n} ranks: {big['busbw_GBps']:.2f} GB/s")
     return 0
+
+
+def add_parser(sub):
+    from pathlib import Path as _Path
+    t = sub.add_parser("tour", help="run every chapter's measurements; write results/summary.json, figures, report")
+    t.add_argument("--quick", action="store_true", help="small sizes and few repeats (minutes on a laptop)")
+    t.add_argument("--world-size", type=int, default=None, help="ranks for the measurements (default: 4, or #GPUs)")
+    t.add_argument("--out", type=_Path, default=_Path("results"), help="output folder (default: results)")
+    t.add_argument("--skip-notebooks", action="store_true", help="only the package's own benchmarks")
+    return t
+
+
+def run(args) -> int:
+    return run_tour(out=args.out, quick=args.quick, world_size=args.world_size, notebooks=not args.skip_notebooks)

@@ -16,9 +16,9 @@ import nbformat
 import psutil
 import pytest
 
-from distlab.grading import _fail_reason, grade
-from distlab.grading_build import extract_answers, load_lab, read_submission
-from distlab.grading_remote import GradingError, RemoteAnswer, safe_loads
+from distlab.grading.grade import _fail_reason, grade
+from distlab.grading.build import extract_answers, load_lab, read_submission
+from distlab.grading.remote import GradingError, RemoteAnswer, safe_loads
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("make_class", ROOT / "tests/fixtures/grading/make_class.py")
@@ -245,7 +245,7 @@ def test_invalid_submissions_are_reported_in_one_line(tmp_path):
 def test_answers_cannot_be_called_in_the_kernel_and_results_cannot_carry_code():
     import cloudpickle
     import torch
-    handle = RemoteAnswer(__import__("distlab.grading_remote").grading_remote.Answers([], ["f"]), "f", {})
+    handle = RemoteAnswer(__import__("distlab.grading.remote").grading_remote.Answers([], ["f"]), "f", {})
     with pytest.raises(GradingError):
         handle(1)
     assert torch.equal(safe_loads(cloudpickle.dumps({"t": torch.arange(3)}))["t"], torch.arange(3))
@@ -259,7 +259,7 @@ def test_answers_cannot_be_called_in_the_kernel_and_results_cannot_carry_code():
 
 
 def test_audit_flags_code_that_could_tamper_on_a_rank():
-    from distlab.grading_report import audit
+    from distlab.grading.report import audit
     src = ("import torch.distributed as dist\n"
            "def ring_all_reduce(t, op=None):\n"
            "    dist.all_reduce = lambda *a, **k: None\n"

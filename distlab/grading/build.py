@@ -6,7 +6,7 @@ among the cells tagged `answer`, then by the names they define. Every other
 cell, the graded check cells with their expected verdicts included, comes from
 the shipped lab, so editing, deleting or moving a check cell changes nothing.
 The answers are not put in the notebook as code: a grader cell hands their text
-to `distlab.grading_remote`, which runs them on the ranks only.
+to `distlab.grading.remote`, which runs them on the ranks only.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nbformat
 
-from distlab.grading_remote import defined_names
+from distlab.grading.remote import defined_names
 from distlab.labs import ANSWER_TAG, is_check_cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def _without_magics(source: str) -> str:
 
 PREAMBLE = """# Added by distlab grade: the learner's answers exist only on the ranks.
 import json as _dg_json
-import distlab.grading_remote as _dg
+import distlab.grading.remote as _dg
 _DG = _dg_json.load(open({path!r}))
 _dg.cap_launch_timeout(_DG['rank_timeout'])"""
 

@@ -1,4 +1,4 @@
-"""Graded checks: short, deterministic verdict lines a learner can act on.
+"""Verdict lines: short, deterministic, and something a learner can act on.
 
 A check cell (tag `nbval-check-output`) prints only these lines, so nbval
 compares them with the solution's: no timings, no addresses, no raw floats.
@@ -43,9 +43,9 @@ def expect(condition: bool, message: str) -> None:
         raise CheckFailed(message)
 
 
-def _reason(exc: BaseException) -> str:
-    """One line: the learner's own exception, unwrapped from a failed rank."""
-    from distlab.launch import LaunchTimeout, RankFailed
+def reason(exc: BaseException, hint: str = "") -> str:
+    """One line: the learner's own exception, unwrapped from a failed rank; where ranks hung."""
+    from distlab.launch import LaunchStalled, LaunchTimeout, RankFailed
     if isinstance(exc, CheckFailed):
         return str(exc)
     if isinstance(exc, RankFailed):
@@ -53,8 +53,15 @@ def _reason(exc: BaseException) -> str:
             return "not implemented yet (NotImplementedError on a rank)"
         first = str(exc).splitlines()[0]
         return first if len(first) < 200 else first[:197] + "..."
+    if isinstance(exc, LaunchStalled):
+        where = "; ".join(f"rank {r} waits in {w}" for r, w in exc.where.items() if w)
+        case = next((n for n in exc.notes.values() if n), "")
+        text = f"hung: rank(s) {exc.ranks} waited {exc.timeout_s:g} s for each other"
+        text += f" (case: {case})" if case else ""
+        text += f"; {where}" if where else ""
+        return text + (f". {hint}" if hint else "")
     if isinstance(exc, LaunchTimeout):
-        return f"timed out: rank(s) {exc.ranks} never finished (a collective some ranks skip?)"
+        return f"timed out: rank(s) {exc.ranks} still running after {exc.timeout_s:g} s"
     if isinstance(exc, NotImplementedError):
         return "not implemented yet (NotImplementedError)"
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -74,7 +81,7 @@ def check(name: str, fn: Callable[[], Any]) -> bool:
         with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
             detail = fn()
     except Exception as exc:  # noqa: BLE001 - every failure is a verdict, never a crash
-        print(f"FAIL {name}: {_reason(exc)}")
+        print(f"FAIL {name}: {reason(exc)}")
         if held.getvalue().strip():
             sys.stderr.write(f"(output of the failed check '{name}')\n{held.getvalue()}")
         return False

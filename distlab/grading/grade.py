@@ -6,7 +6,7 @@
 For each submission: take the learner's answer cells, rebuild the notebook from
 the shipped lab (its own setup and check cells, its committed verdicts), run it
 in a fresh worker + kernel with the answers executed on the ranks only
-(`distlab.grading_remote`), and score each graded verdict line: it earns its
+(`distlab.grading.remote`), and score each graded verdict line: it earns its
 points when the expected `PASS ...` line is printed exactly. Points come from a
 check cell's `metadata.distlab.points` (per verdict line of that cell, default
 1). Writes grades.csv, grades.md and junit.xml to --out.
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import nbformat
 
-from distlab.grading_build import Lab, build, extract_answers, load_lab, read_submission
-from distlab.grading_report import audit, write_reports
-from distlab.grading_run import run_isolated
+from distlab.grading.build import Lab, build, extract_answers, load_lab, read_submission
+from distlab.grading.report import audit, write_reports
+from distlab.grading.worker import run_isolated
 from distlab.labs import is_check_cell
 
 
@@ -192,7 +192,7 @@ def grade(lab: str | Path, submissions: list[Path], *, out: Path | None = None, 
 
 def main(args) -> int:
     """The `distlab grade` subcommand (see distlab/cli.py)."""
-    from distlab.grading_report import markdown
+    from distlab.grading.report import markdown
     subs = list(args.submissions)
     if args.self:
         if not subs:

@@ -1,6 +1,6 @@
 """Execute one graded notebook in its own worker process, kernel and ranks; leave nothing behind.
 
-The grader starts `python -m distlab.grading_run IN FD CELL_TIMEOUT` in a new
+The grader starts `python -m distlab.grading.worker IN FD CELL_TIMEOUT` in a new
 process session with a unique token in its environment. The worker runs the
 notebook with nbclient (per-cell timeout, interrupt on timeout, errors kept as
 cell outputs) and sends each executed cell back on a pipe
@@ -166,7 +166,7 @@ def run_isolated(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float,
     thread = threading.Thread(target=reader, daemon=True)
     with open(workdir / "worker.log", "wb") as log:
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "distlab.grading_run", str(src), str(write_end),
+            proc = subprocess.Popen([sys.executable, "-m", "distlab.grading.worker", str(src), str(write_end),
                                      str(cell_timeout)], cwd=workdir, env=child_env, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                     pass_fds=(write_end,), preexec_fn=_limit_files)

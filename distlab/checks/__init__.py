@@ -1,0 +1,34 @@
+"""Graded checks: one module per lab (`distlab.checks.ch01` ...); a check cell is one line.
+
+    from distlab.checks.ch01 import grade
+    grade("reduce_scatter", ring_reduce_scatter)
+    PASS reduce_scatter, 2 ranks, values: matches torch.distributed in 24 cases
+
+Each lab module defines `TASKS` (name -> `Task`), `PRELUDE` (the imports the
+lab's answer cells may rely on, which its setup cell holds verbatim) and
+`grade`. The verdicts are computed where they are printed, from the ranks'
+raw outputs (see `distlab.checks.task`), so `distlab grade` reuses them.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from distlab.checks.task import Case, Line, Task, grade_task, judged, run_task, validate
+from distlab.checks.verdict import CheckFailed, check, compare, expect, reason
+
+# Lab name (the notebook's stem) -> the module holding its tasks.
+LABS = {
+    "01_collectives": "distlab.checks.ch01",
+}
+
+
+def lab_module(lab: str) -> ModuleType:
+    """The check module of a lab, by its name ('01_collectives')."""
+    if lab not in LABS:
+        raise KeyError(f"no graded lab called {lab!r}; labs: {sorted(LABS)}")
+    return importlib.import_module(LABS[lab])
+
+
+__all__ = ["Case", "Line", "Task", "grade_task", "judged", "run_task", "validate",
+           "CheckFailed", "check", "compare", "expect", "reason", "LABS", "lab_module"]

@@ -1,0 +1,229 @@
+"""Graded tasks: the learner's code runs on ranks, the verdict is computed outside them.
+
+A lab's check cell is one line:
+
+    grade("reduce_scatter", ring_reduce_scatter)
+
+Behind it, a `Task` (one per graded step of a lab, in `distlab.checks.chNN`)
+says four things:
+
+- `cases()`: the launches that exercise the answer, each a `Case` (world
+  size, arguments, and the names of the verdict lines it decides);
+- `exercise(case, *answers)`: runs on every rank *with the learner's code*
+  and returns raw outputs only (tensors, numbers, meter snapshots), never a
+  verdict;
+- `reference(case)`: what correct raw outputs look like, computed *without*
+  learner code (here, or by a launch of its own), cached per process;
+- `judge(case, outputs, reference)`: pure; runs where verdicts are printed
+  (the notebook's kernel, or the grader's own process), never on a rank.
+
+The notebook and `distlab grade` share all of it. In the notebook `grade`
+launches `exercise` with the kernel's objects; the grader runs it in a
+sandbox with the learner's answer cells, validates what comes back
+(`validate`) and calls the same `judge`. So a submission can make its own
+ranks return anything, but cannot change how that is judged.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from distlab.checks.verdict import CheckFailed, reason
+
+# Seconds every unfinished rank may go without work before a check's launch counts as hung.
+# Check cases are small: a healthy case never leaves all ranks idle this long.
+CHECK_STALL_S = 5.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launch of a task: `world_size` ranks run `exercise(case, *answers)`.
+
+    `args` is a small picklable dict the task reads; `lines` names the verdict
+    lines this case decides, in print order.
+    """
+
+    world_size: int
+    lines: tuple[str, ...]
+    args: dict = field(default_factory=dict)
+
+    def __hash__(self) -> int:   # args is a dict: hash what identifies the case
+        return hash((self.world_size, self.lines))
+
+
+@dataclass(frozen=True)
+class Line:
+    """One verdict: `PASS name: detail` or `FAIL name: detail`."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'} {self.name}" + (f": {self.detail}" if self.detail else "")
+
+
+class Task:
+    """One graded step of a lab. Subclasses set `name`, `answers`, and implement the four methods."""
+
+    name: str = ""
+    answers: tuple[str, ...] = ()        # the learner's names this task needs, in call order
+    hang_hint: str = ""                  # what usually makes this task's answers hang
+    points: float = 1.0                  # per verdict line
+
+    def cases(self) -> list[Case]:
+        raise NotImplementedError
+
+    def exercise(self, case: Case, *answers: Any) -> Any:
+        """On every rank, with the learner's objects: raw outputs for `judge`."""
+        raise NotImplementedError
+
+    def reference(self, case: Case) -> Any:
+        """Correct raw outputs, without learner code (None when `judge` needs none)."""
+        return None
+
+    def judge(self, case: Case, outputs: list[Any], reference: Any) -> list[Line]:
+        """Verdicts from every rank's raw outputs; pure. Use `judged` for each line."""
+        raise NotImplementedError
+
+    def lines(self) -> list[str]:
+        return [name for case in self.cases() for name in case.lines]
+
+
+def judged(name: str, fn: Callable[[], Any]) -> Line:
+    """A Line from `fn()`: PASS with its return value as detail, FAIL with the reason it raised.
+
+    Anything `fn` raises becomes a FAIL (a malformed output from a rank
+    raises KeyError or TypeError here: that is a FAIL, never a crash).
+    """
+    try:
+        detail = fn()
+    except CheckFailed as exc:
+        return Line(name, False, str(exc))
+    except Exception as exc:  # noqa: BLE001 - raw outputs come from learner processes
+        return Line(name, False, f"malformed result from the ranks ({type(exc).__name__}: {str(exc)[:120]})")
+    return Line(name, True, "" if detail is None else str(detail))
+
+
+# ---- what may come back from a rank ---------------------------------------------------------------
+
+_MAX_DEPTH, _MAX_ITEMS = 12, 200_000
+
+
+def validate(obj: Any) -> None:
+    """Raise CheckFailed unless `obj` is plain data: None, bool, int, float, str, CPU tensors,
+    dtypes, meter snapshots, and lists / tuples / dicts of these (bounded depth and size)."""
+    from distlab.meters import CommStats, MemoryStats, ModelState
+    count = 0
+    stack = [(obj, 0)]
+    while stack:
+        x, depth = stack.pop()
+        count += 1
+        if depth > _MAX_DEPTH or count > _MAX_ITEMS:
+            raise CheckFailed("malformed result from the ranks (nested too deep or too large)")
+        if x is None or type(x) in (bool, int, float, str, torch.dtype, torch.Size):
+            continue
+        if type(x) is torch.Tensor:
+            if x.layout != torch.strided or x.device.type != "cpu":
+                raise CheckFailed("malformed result from the ranks (a tensor that is not a plain CPU tensor)")
+            continue
+        if type(x) in (CommStats, MemoryStats, ModelState):
+            stack += [(v, depth + 1) for v in vars(x).values()]
+            continue
+        if type(x) in (list, tuple):
+            stack += [(v, depth + 1) for v in x]
+            continue
+        if type(x) is dict:
+            stack += [(v, depth + 1) for kv in x.items() for v in kv]
+            continue
+        raise CheckFailed(f"malformed result from the ranks (a {type(x).__name__})")
+
+
+# ---- running a task from a notebook ---------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def _reference(task: Task, case: Case) -> Any:
+    return task.reference(case)
+
+
+def reference_of(task: Task, case: Case) -> Any:
+    """`task.reference(case)`, computed once per process."""
+    return _reference(task, case)
+
+
+def _exercise_on_rank(task: Task, case: Case, answers: tuple) -> Any:
+    return task.exercise(case, *answers)
+
+
+def launch_exercise(task: Task, case: Case, answers: tuple, *, stall: float = CHECK_STALL_S) -> list[Any]:
+    """Run `task.exercise(case, *answers)` on `case.world_size` ranks (the notebook's way)."""
+    from distlab.launch import launch
+    return launch(_exercise_on_rank, case.world_size, task, case, tuple(answers), stall=stall)
+
+
+def run_task(task: Task, answers: Iterable[Any], *,
+             run: Callable[[Task, Case, tuple], list[Any]] = launch_exercise) -> list[Line]:
+    """Every verdict line of `task`, in order: run each case, validate its outputs, judge them.
+
+    A case whose launch fails fails its lines with the reason. After a hang,
+    the remaining cases are not run (each waits just as long): their lines
+    fail with "not run".
+    """
+    answers = tuple(answers)
+    out: list[Line] = []
+    hung = None
+    for case in task.cases():
+        if hung is not None:
+            out += [Line(n, False, f"not run: {hung}") for n in case.lines]
+            continue
+        try:
+            ref = reference_of(task, case)
+            outputs = run(task, case, answers)
+            validate(outputs)
+        except Exception as exc:  # noqa: BLE001 - every failure is a verdict
+            from distlab.launch import LaunchStalled
+            why = reason(exc, task.hang_hint)
+            if isinstance(exc, LaunchStalled):
+                hung = f"an earlier case ({case.world_size} ranks) hung"
+            out += [Line(n, False, why) for n in case.lines]
+            continue
+        try:
+            lines = {line.name: line for line in task.judge(case, outputs, ref)}
+        except Exception as exc:  # noqa: BLE001 - a malformed output must not crash the verdict
+            lines = {n: Line(n, False, f"malformed result from the ranks ({type(exc).__name__})")
+                     for n in case.lines}
+        out += [lines.get(n, Line(n, False, "no verdict (malformed result)")) for n in case.lines]
+    return out
+
+
+def grade_task(task: Task, *answers: Any) -> list[Line]:
+    """Run a task and print its verdict lines (and nothing else: ranks' output is held back
+    and shown on stderr only when a line fails). Returns the lines."""
+    held = io.StringIO()
+    with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+        lines = run_task(task, answers)
+    for line in lines:
+        print(line)
+    if not all(line.ok for line in lines) and held.getvalue().strip():
+        sys.stderr.write(f"(output of the ranks while checking '{task.name}')\n{held.getvalue()[-6000:]}")
+    return lines
+
+
+def grader(tasks: dict[str, Task]) -> Callable[..., None]:
+    """The `grade(name, *answers)` function of one lab: prints the task's verdict lines."""
+
+    def grade(name: str, *answers: Any) -> None:
+        if name not in tasks:
+            raise KeyError(f"no graded task {name!r} in this lab; tasks: {sorted(tasks)}")
+        task = tasks[name]
+        if len(answers) != len(task.answers):
+            raise TypeError(f"grade({name!r}, ...) takes {len(task.answers)} answer(s): {', '.join(task.answers)}")
+        grade_task(task, *answers)
+
+    return grade

@@ -1,0 +1,1 @@
+"""`distlab grade`: instructors grade a class's lab notebooks (see `distlab.grading.grade`)."""

@@ -1,0 +1,51 @@
+"""Test helpers: a lab's answers (the solution's, or the unfilled stubs) as live objects.
+
+    ns = answers("01_collectives")             # the solution's answer cells, executed
+    ns = answers("01_collectives", stub=True)  # the lab's stubs (raise NotImplementedError)
+
+The answer cells run in a fresh namespace after the lab's PRELUDE, exactly as
+`distlab grade` runs a learner's cells: nothing from the notebook's other cells.
+"""
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import nbformat
+
+from distlab.checks import lab_module
+from distlab.labs import BEGIN, END, strip_answers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def answer_sources(lab: str, *, stub: bool = False) -> list[str]:
+    """The solution's answer cells (fence lines dropped), or their stubbed versions."""
+    nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    out = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and BEGIN in cell.source:
+            if stub:
+                out.append(strip_answers(cell.source))
+            else:
+                out.append("\n".join(l for l in cell.source.splitlines() if l.strip() not in (BEGIN, END)))
+    return out
+
+
+def answers(lab: str, *, stub: bool = False, replace: dict[str, str] | None = None) -> types.SimpleNamespace:
+    """Execute PRELUDE + the answer cells; `replace` maps a name to source that redefines it afterwards."""
+    module = lab_module(lab)
+    ns: dict = {"__name__": f"answers_{lab}"}
+    exec(compile(module.PRELUDE, "<prelude>", "exec"), ns)  # noqa: S102 - test fixture
+    for i, src in enumerate(answer_sources(lab, stub=stub)):
+        exec(compile(src, f"<answer cell {i}>", "exec"), ns)  # noqa: S102
+    for name, src in (replace or {}).items():
+        exec(compile(src, f"<replaced {name}>", "exec"), ns)  # noqa: S102
+    return types.SimpleNamespace(**{k: v for k, v in ns.items() if not k.startswith("__")})
+
+
+def run(lab: str, task: str, ns: types.SimpleNamespace):
+    """Every verdict line of one task for the answers in `ns`."""
+    from distlab.checks import run_task
+    t = lab_module(lab).TASKS[task]
+    return run_task(t, [getattr(ns, name) for name in t.answers])
