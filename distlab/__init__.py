@@ -7,11 +7,12 @@ from distlab.launch import LaunchError, LaunchStalled, LaunchTimeout, RankFailed
 from distlab.mode import pick, quick
 from distlab.runtime import backend, device, local_rank, mesh, print0, rank, run_under_torchrun, world_size
 from distlab.results import record
+from distlab.stepwise import add_to_class
 
 __all__ = [
     "LaunchError", "LaunchStalled", "LaunchTimeout", "RankFailed", "launch",
     "pick", "quick",
     "backend", "device", "local_rank", "mesh", "print0", "rank", "run_under_torchrun", "world_size",
-    "record",
+    "record", "add_to_class",
 ]
 __version__ = "0.1.0"

@@ -32,6 +32,11 @@ TOUR_NOTEBOOKS = (
     "solutions/04_zero2.ipynb",
     "solutions/05_zero3.ipynb",
     "notebooks/06_fsdp.ipynb",
+    "solutions/06_fsdp.ipynb",
+    "notebooks/07_tensor_parallel.ipynb",
+    "solutions/07_tensor_parallel.ipynb",
+    "notebooks/08_pipeline_3d.ipynb",
+    "solutions/08_pipeline.ipynb",
 )
 
 

@@ -1,6 +1,6 @@
 """Every lab is generated from its solution, and fails exactly its graded checks.
 
-- labs/NN_*.ipynb equals make_lab(solutions/NN_*.ipynb) (run `distlab labs` to refresh);
+- labs/NN_*.ipynb equals make_lab(solutions/NN_*.ipynb) (run `distlab build-labs` to refresh);
 - the solution's committed check outputs are all PASS lines (nbval compares against them);
 - executing the unfilled lab prints a FAIL line, and no PASS line, in every graded check cell.
 """
@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from distlab.labs import CHECK_TAG, is_check_cell, make_lab, strip_answers, sync_labs
+from distlab.labs import CHECK_TAG, build_labs, expected_lines, is_check_cell, make_lab, strip_answers
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -31,8 +31,8 @@ def test_strip_answers_keeps_signatures_and_stubs_bodies():
 
 
 def test_labs_are_in_sync_with_solutions():
-    stale = sync_labs(ROOT, check=True)
-    assert not stale, f"run `distlab labs` to regenerate: {[str(p) for p in stale]}"
+    stale, _ = build_labs(ROOT, check=True)
+    assert not stale, f"run `distlab build-labs` to regenerate: {[str(p) for p in stale]}"
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
@@ -64,23 +64,31 @@ def test_unfilled_lab_fails_every_graded_check(solution, tmp_path, no_orphans):
         assert "PASS " not in out, f"a check passes on the unfilled lab (cannot fail?):\n{out}"
 
 
-def test_a_finished_lab_passes_nbval(tmp_path):
-    """A learner who fills in the stubs passes `pytest --nbval-lax` on their lab."""
+def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path):
+    """A lab opens without verdicts; `pytest --nbval-lax` passes once the stubs are filled in, not before."""
     import subprocess
     import sys
 
     from nbformat.v4 import new_code_cell, new_notebook
     answer = "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION"
-    check_src = "from distlab.checks import check, expect\ncheck('double', lambda: expect(double(2) == 4, 'no'))"
+    check_src = "from distlab.checks import check, expect\n_ = check('double', lambda: expect(double(2) == 4, 'no'))"
     solution = new_notebook(cells=[new_code_cell(answer), new_code_cell(check_src, metadata={"tags": [CHECK_TAG]})],
                             metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
     NotebookClient(solution, timeout=120, kernel_name="python3").execute()
     assert _stdout(solution.cells[1]) == "PASS double\n"
     lab = make_lab(solution)
     assert "NotImplementedError" in lab.cells[0].source
+    assert all(not c.outputs and c.execution_count is None for c in lab.cells)   # nothing to see yet
+    assert expected_lines(lab.cells[1]) == ["PASS double"]
+
+    def nbval(nb):
+        path = tmp_path / "lab.ipynb"
+        nbformat.write(nb, path)
+        return subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
+                               str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    unfinished = nbval(lab)
+    assert unfinished.returncode == 1 and "Cell outputs differ" in unfinished.stdout, unfinished.stdout[-3000:]
     lab.cells[0].source = "def double(x):\n    return x + x"  # the learner's answer
-    path = tmp_path / "lab.ipynb"
-    nbformat.write(lab, path)
-    out = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider", str(path)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-6000:]
+    finished = nbval(lab)
+    assert finished.returncode == 0, finished.stdout[-6000:]

@@ -42,7 +42,7 @@ def test_doctor_reports_and_runs(tmp_path):
 
 
 def test_labs_check_cli_agrees_with_the_tree():
-    out = subprocess.run([sys.executable, "-m", "distlab.cli", "labs", "--check", "--root", str(ROOT)],
+    out = subprocess.run([sys.executable, "-m", "distlab.cli", "build-labs", "--check", "--root", str(ROOT)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 

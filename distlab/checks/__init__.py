@@ -20,6 +20,13 @@ from distlab.checks.verdict import CheckFailed, check, compare, expect, reason
 # Lab name (the notebook's stem) -> the module holding its tasks.
 LABS = {
     "01_collectives": "distlab.checks.ch01",
+    "02_ddp": "distlab.checks.ch02",
+    "03_zero1": "distlab.checks.ch03",
+    "04_zero2": "distlab.checks.ch04",
+    "05_zero3": "distlab.checks.ch05",
+    "06_fsdp": "distlab.checks.ch06",
+    "07_tensor_parallel": "distlab.checks.ch07",
+    "08_pipeline": "distlab.checks.ch08",
 }
 
 
