@@ -1,0 +1,41 @@
+"""The hardware figures every chapter's "what a GPU cluster would do" arithmetic uses, in one place.
+
+These are vendors' nominal figures (per GPU, per direction), not measurements:
+prose that uses them says so. One node holds 8 GPUs joined all-to-all by
+NVLink through NVSwitch; each GPU has its own InfiniBand NIC to other nodes.
+
+    from distlab.theory.hardware import H100
+    H100.nvlink_GBps / H100.ib_GBps     # 9.0: inside a node vs across nodes, per GPU
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_GB: float          # HBM per GPU
+    bf16_TFLOPs: float        # dense bf16 tensor-core peak
+    nvlink_GBps: float        # NVLink bandwidth per GPU, per direction
+    ib_GBps: float            # one InfiniBand NIC per GPU, per direction
+    nvlink_name: str
+    ib_name: str
+    gpus_per_node: int = 8
+
+    @property
+    def node_gap(self) -> float:
+        """How many times more bandwidth a GPU has to its node's peers than to other nodes."""
+        return self.nvlink_GBps / self.ib_GBps
+
+
+# A100 SXM 80 GB: NVLink 3 (12 links x 25 GB/s), HDR InfiniBand 200 Gb/s.
+A100 = GPU("A100 80GB SXM", 80, 312, 300, 25, "NVLink 3", "HDR InfiniBand (200 Gb/s)")
+# H100 SXM: NVLink 4 (18 links x 25 GB/s), NDR InfiniBand 400 Gb/s.
+H100 = GPU("H100 SXM", 80, 989, 450, 50, "NVLink 4", "NDR InfiniBand (400 Gb/s)")
+# PCIe 4.0 x16 (host <-> GPU, and GPU <-> GPU on machines without NVLink), per direction.
+PCIE4_X16_GBps = 32.0
+PCIE5_X16_GBps = 64.0
+
+# The GPU the course's cluster arithmetic assumes unless a cell says otherwise.
+DEFAULT = H100
