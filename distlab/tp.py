@@ -144,7 +144,7 @@ class Transformer(nn.Module):
 
     def __init__(self, c: TPConfig) -> None:
         super().__init__()
-        self.config = c
+        self.config, self.recompute = c, c.recompute
         self.tok = nn.Embedding(c.vocab_size, c.d_model)
         self.pos = nn.Embedding(c.seq_len, c.d_model)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
@@ -153,7 +153,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        x = run_blocks(self.blocks, x, self.config.recompute)
+        x = run_blocks(self.blocks, x, self.recompute)
         return self.head(self.ln_f(x))   # (B, S, vocab)
 
 
@@ -162,11 +162,23 @@ class Stack(nn.Module):
 
     def __init__(self, c: TPConfig) -> None:
         super().__init__()
-        self.config = c
+        self.config, self.recompute = c, c.recompute
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_blocks(self.blocks, x, self.config.recompute)
+        return run_blocks(self.blocks, x, self.recompute)
+
+
+def set_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Switch a built model between no, selective and full recomputation (in place)."""
+    from distlab.theory.tensor import RECOMPUTE
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {mode!r}")
+    model.recompute = mode
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.selective = mode == "selective"
+    return model
 
 
 def _config(preset: str | TPConfig, overrides: dict) -> TPConfig:

@@ -32,10 +32,37 @@ HANG_HINT = ("Ranks hang when one of them skips a collective the others enter: e
              "in forward and in backward.")
 
 
-def make_optimizer(params: Any) -> torch.optim.Optimizer:
-    """SGD with momentum for the training checks. (AdamW would turn rounding noise into full-size
-    steps on parameters whose true gradient is 0, such as the key bias: softmax ignores it.)"""
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+class MomentumSGD:
+    """`torch.optim.SGD(params, lr=0.1, momentum=0.9)`'s arithmetic, for the training checks.
+
+    Written out because the first `torch.optim` step imports torch._dynamo (seconds, in the
+    notebook's kernel, where the reference runs). And SGD, not AdamW: AdamW turns rounding noise into
+    full-size steps on parameters whose true gradient is 0, such as the key bias (softmax ignores it).
+    """
+
+    def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9) -> None:
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.bufs: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            buf = self.bufs.get(id(p))
+            if buf is None:
+                buf = self.bufs[id(p)] = p.grad.detach().clone()
+            else:
+                buf.mul_(self.momentum).add_(p.grad)
+            p.add_(buf, alpha=-self.lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def make_optimizer(params: Any) -> MomentumSGD:
+    return MomentumSGD(params)
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:

@@ -62,12 +62,13 @@ def sp_block_bytes(tokens: float, d_model: int, t: int, *, bytes_per_element: fl
     return calls * (t - 1) / t * tokens * d_model * bytes_per_element
 
 
-def sp_replicated_grad_bytes(d_model: int, t: int, *, bytes_per_element: float = 4) -> float:
+def sp_replicated_grad_bytes(d_model: int, t: int, *, bytes_per_element: float = 4, biases: bool = True) -> float:
     """Under SP the parameters every rank holds whole but applies to its slice of the sequence only
-    (two LayerNorms, 4h; the row-parallel linears' biases, 2h) get partial gradients: one all-reduce
-    of a block's 6h of them per step."""
+    get partial gradients, all-reduced once per step: the two LayerNorms (4h) and, when they are added
+    after the reduce-scatter (Megatron, the lab), the row-parallel linears' biases (2h). PyTorch's
+    `RowwiseParallel` adds its bias before the reduce-scatter: `biases=False`, 4h."""
     _positive(d_model=d_model, t=t)
-    return 2 * (t - 1) / t * 6 * d_model * bytes_per_element
+    return 2 * (t - 1) / t * (6 if biases else 4) * d_model * bytes_per_element
 
 
 def zero3_block_bytes(params_per_block: float, world_size: int, *, bytes_per_param: float = 2) -> float:
@@ -105,6 +106,15 @@ def ulysses_bytes(batch: float, seq: float, d_model: int, cp: int, *, bytes_per_
     (cp-1)/cp of a rank's B x S/cp x h block: 4(cp-1)/cp^2 x B S h e (needs cp | heads)."""
     _positive(batch=batch, seq=seq, d_model=d_model, cp=cp)
     return 4 * (cp - 1) / cp ** 2 * batch * seq * d_model * bytes_per_element
+
+
+def tp_block_params_per_rank(d_model: int, t: int) -> float:
+    """Parameters one rank of a tensor-parallel group holds of a block (chapter 7's layout):
+    the split weights and the column-parallel biases, (12h^2 + 7h)/t, and whole on every rank the
+    two LayerNorms (4h) and the row-parallel biases (2h)."""
+    _positive(d_model=d_model, t=t)
+    h = d_model
+    return (12 * h * h + 7 * h) / t + 6 * h
 
 
 # ---- activations -----------------------------------------------------------------------------------
@@ -165,6 +175,13 @@ def block_train_flops(tokens: float, seq: float, d_model: int) -> float:
     """FLOPs of one block's forward + backward: 72 T h^2 (matmuls, 3x the forward's 24 T h^2)
     + 12 T S h (attention scores and their product with V)."""
     return 72 * tokens * d_model ** 2 + 12 * tokens * seq * d_model
+
+
+def ring_overlap_block_tokens(peak_flops: float, link_GBps: float, *, bytes_per_element: float = 2) -> float:
+    """Tokens per rank's block (S/cp) above which a ring-attention step computes longer than it
+    takes to pass its K and V blocks on: 4 B (S/cp)^2 h FLOPs against 2 B (S/cp) h e bytes, so
+    S/cp >= F e / (2 β). At peak FLOP/s; a real kernel reaches less, which only helps the overlap."""
+    return peak_flops * bytes_per_element / (2 * link_GBps * 1e9)
 
 
 def tp_comm_seconds(tokens: float, d_model: int, t: int, link_GBps: float, *, bytes_per_element: float = 2) -> float:
