@@ -3,7 +3,8 @@ multi-rank measurement of PyTorch's TP and SP bytes equals the closed forms.
 
 Each test runs one task of lab 7 with the solution's answers, one answer replaced by a plausible
 mistake, and asserts which verdict lines fail and which still pass (so a failing line points at the
-mistake, not at everything).
+mistake, not at everything). That the stubs fail every line is tests/test_labs.py's
+`test_unfilled_lab_fails_every_graded_line`, run for every lab.
 """
 from __future__ import annotations
 
@@ -22,14 +23,6 @@ def _lines(task, **replace):
 
 def _status(lines):
     return ["PASS" if line.startswith("PASS") else "FAIL" for line in lines]
-
-
-def test_the_stubs_fail_every_line_of_every_task(no_orphans):
-    from distlab.checks import lab_module
-    stubs = answers(LAB, stub=True)
-    for name in lab_module(LAB).TASKS:
-        out = [str(line) for line in run(LAB, name, stubs)]
-        assert out and all(line.startswith("FAIL") and "not implemented" in line for line in out), (name, out)
 
 
 G_WITHOUT_ALL_REDUCE = '''
@@ -109,6 +102,24 @@ def test_adding_the_row_bias_before_the_reduction_fails_values(no_orphans):
     out = _lines("row", RowParallelLinear=ROW_BIAS_BEFORE_REDUCE)
     assert _status(out) == ["PASS", "FAIL", "PASS"] * 2, out
     assert "the output" in out[1]
+
+
+MLP_WITHOUT_F = '''
+class TensorParallelMLP(nn.Module):
+    def __init__(self, mlp, group=None, enter=CopyToTP, exit=ReduceFromTP):
+        super().__init__()
+        self.fc = ColumnParallelLinear(mlp.fc, group)
+        self.out = RowParallelLinear(mlp.out, group, reduce=exit)
+    def forward(self, x):                  # no f: the input gradient stays this rank's part
+        return self.out(F.gelu(self.fc(x)))
+'''
+
+
+def test_an_mlp_without_f_has_the_right_output_but_not_the_input_gradient(no_orphans):
+    out = _lines("mlp", TensorParallelMLP=MLP_WITHOUT_F)
+    assert _status(out) == ["PASS", "FAIL", "FAIL"] * 2, out
+    assert "the input gradient" in out[1]
+    assert "backward: sent nothing; expected all_reduce x1" in out[2]
 
 
 ATTENTION_F_PER_PROJECTION = '''
