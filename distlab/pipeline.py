@@ -1,0 +1,187 @@
+"""Pipeline stages of the course GPT, stand-in kernel costs, and reading a pipeline's timeline.
+
+    stage = build_stage("tiny", index=r, stages=p)          # on distlab.device()
+    h = stage(x)                     # stage 0: token ids -> hidden; last stage: hidden -> logits
+    shape = activation_shape(stage.config, micro_batch=2)   # what crosses between stages
+
+The package holds no schedule: GPipe and 1F1B are the chapter's lab. It holds
+what every schedule needs — the model cut into stages that share the full
+model's parameters, name for name (so gradients compare with one process), a
+fixed cost standing in for GPU kernels, and the bubble read off a timeline.
+
+Why a fixed cost: the course's CPU ranks share two cores, so a stage's real
+compute time depends on what the other ranks do at that moment and the
+timeline drowns in contention. `FixedCost` makes each forward sleep `forward_s`
+and each backward sleep `backward_s` (activation gradient) plus `weight_s`
+(weight gradient): a sleeping rank leaves the cores to the others, so every
+stage takes the same, known time, like a kernel on its own GPU.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+
+from distlab.collectives import chunk_bounds
+from distlab.models import GPT, GPTConfig, build_model
+
+
+def stage_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """[start, end) of the blocks each stage runs: contiguous, sizes differing by at most one."""
+    if stages < 1 or stages > n_layers:
+        raise ValueError(f"cannot cut {n_layers} blocks into {stages} stages: "
+                         f"use 1..{n_layers} stages, or a model with more layers (n_layers=...)")
+    return chunk_bounds(n_layers, stages)
+
+
+class Stage(nn.Module):
+    """Stage `index` of `stages`: blocks [a, b) of a GPT; embeddings on the first, the final norm
+    and the head on the last. Shares the parameters of `model` (no copy).
+
+    `full_names[local_name]` is each parameter's name in the whole model.
+    """
+
+    def __init__(self, model: GPT, index: int, stages: int) -> None:
+        super().__init__()
+        if not 0 <= index < stages:
+            raise ValueError(f"stage index must be in 0..{stages - 1}, got {index}")
+        self.config: GPTConfig = model.config
+        self.index, self.stages = index, stages
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        a, b = stage_layers(model.config.n_layers, stages)[index]
+        self.first_block = a
+        if self.is_first:
+            self.tok, self.pos = model.tok, model.pos
+        self.blocks = nn.ModuleList(model.blocks[a:b])
+        if self.is_last:
+            self.ln_f, self.head = model.ln_f, model.head
+        self.full_names = {name: self._full(name) for name, _ in self.named_parameters()}
+
+    def _full(self, name: str) -> str:
+        if name.startswith("blocks."):
+            i, rest = name.split(".", 2)[1:]
+            return f"blocks.{self.first_block + int(i)}.{rest}"
+        return name
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        from distlab.precision import compute_dtype
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return x.to(compute_dtype(x.dtype, x.device))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.is_last else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids (B, T) -> hidden (B, T, D); others: hidden -> hidden, or logits (B, T, V) last."""
+        return self.body(self.embed(x) if self.is_first else x)
+
+
+def build_stage(preset: str | GPTConfig = "tiny", index: int = 0, stages: int = 1, *, seed: int = 0,
+                device: torch.device | str | None = None, **overrides: object) -> Stage:
+    """Stage `index` of the course GPT cut in `stages`, with the same weights as `build_model(preset, seed=seed)`."""
+    return Stage(build_model(preset, seed=seed, device=device, **overrides), index, stages)
+
+
+def activation_shape(config: GPTConfig, micro_batch: int) -> tuple[int, int, int]:
+    """(micro_batch, seq_len, d_model): the tensor one stage sends the next, and its gradient back."""
+    return (micro_batch, config.seq_len, config.d_model)
+
+
+def activation_dtype(config: GPTConfig, device: torch.device | str | None = None,
+                     storage: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of the hidden states between stages: the compute dtype of the model's weights."""
+    from distlab.precision import compute_dtype
+    return compute_dtype(storage, device)
+
+
+def stage_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch (what `distlab.models.lm_loss` computes)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ---- a fixed cost in place of kernels ---------------------------------------------------------------
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class FixedCost(nn.Module):
+    """Wraps a stage: forward sleeps `forward_s`; backward sleeps `backward_s` on the activation
+    path and `weight_s` when the weight gradients are computed (a zero-bubble schedule runs these
+    apart, as B and W). Parameters and outputs are the stage's own.
+    """
+
+    def __init__(self, stage: Stage, forward_s: float, backward_s: float, weight_s: float = 0.0) -> None:
+        super().__init__()
+        self.stage = stage
+        self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
+        self._hooks = []
+        if weight_s > 0:
+            # Weight gradients: one sleep per backward, on the first parameter's gradient.
+            first = next(stage.parameters())
+            self._hooks.append(first.register_hook(self._weight_cost))
+
+    def remove(self) -> Stage:
+        """Take the weight-gradient cost off the stage's parameter; returns the bare stage."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return self.stage
+
+    def _weight_cost(self, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.weight_s)
+        return grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.forward_s)
+        h = self.stage.embed(x) if self.stage.is_first else x
+        if self.backward_s > 0 and h.requires_grad:
+            h = _SleepInBackward.apply(h, self.backward_s)
+        return self.stage.body(h)
+
+
+def calibrated_cost(measured_s: float, *, factor: float = 10.0, floor_s: float = 0.004) -> float:
+    """A forward cost that dominates the real compute (`factor` times it), at least `floor_s`."""
+    if measured_s < 0:
+        raise ValueError(f"measured time must be >= 0, got {measured_s}")
+    return max(floor_s, factor * measured_s)
+
+
+# ---- reading a timeline -----------------------------------------------------------------------------
+
+def _rows(spans: Iterable[Any]) -> list[Mapping[str, Any]]:
+    return [s if isinstance(s, Mapping) else s.__dict__ for s in spans]
+
+
+def idle_fractions(spans: Iterable[Any]) -> dict[int, float]:
+    """Per rank: the share of the step window it spent outside compute spans.
+
+    The window runs from the first compute span's start to the last one's end,
+    over all ranks (one step). Waiting for a message counts as idle.
+    """
+    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
+    if not rows:
+        raise ValueError("no compute spans")
+    t0, t1 = min(r["start"] for r in rows), max(r["end"] for r in rows)
+    busy: dict[int, float] = {}
+    for r in rows:
+        busy[r["rank"]] = busy.get(r["rank"], 0.0) + (r["end"] - r["start"])
+    return {k: 1.0 - v / (t1 - t0) for k, v in sorted(busy.items())}
+
+
+def bubble(spans: Iterable[Any]) -> float:
+    """The measured bubble fraction: the ranks' mean idle share of the step window."""
+    return statistics.fmean(idle_fractions(spans).values())
