@@ -138,12 +138,21 @@ def memory_3d(num_params: float, dp: int, tp: int, pp: int, zero: int = 1,
     return {0: p + g + o, 1: p + g + o / dp, 2: p + (g + o) / dp, 3: (p + g + o) / dp}[zero]
 
 
-def dp_bytes(local_params: float, dp: int, zero: int = 1, bytes_per_element: float = 2) -> float:
-    """Bytes one rank sends per step in its data-parallel group for its Ψ_local parameters:
-    2Ψ(dp-1)/dp (all-reduce, or reduce-scatter + all-gather) for ZeRO 0-2, 3Ψ(dp-1)/dp for ZeRO-3."""
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
-    volumes = 3 if zero == 3 else 2
+def dp_bytes(local_params: float, dp: int, zero: int = 1, bytes_per_element: float = 2, m: int = 1) -> float:
+    """Bytes one rank sends per step in its data-parallel group for its Ψ_local parameters,
+    when a step runs `m` micro-batches (pipelined or accumulated):
+
+    ZeRO 0-1: gradients accumulate whole and are reduced once: 2Ψ(dp-1)/dp (all-reduce, or
+    reduce-scatter + all-gather). ZeRO-2 keeps only a gradient shard, so it reduce-scatters after
+    every micro-batch and all-gathers the parameters once: (m + 1)Ψ(dp-1)/dp. ZeRO-3 gathers the
+    parameters for every micro-batch's forward and backward and reduce-scatters every time:
+    3mΨ(dp-1)/dp (3Ψ(dp-1)/dp for one micro-batch).
+    """
+    if dp < 1 or m < 1:
+        raise ValueError(f"dp and m must be >= 1, got dp={dp}, m={m}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {zero}")
+    volumes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[zero]
     return volumes * local_params * bytes_per_element * (dp - 1) / dp
 
 
