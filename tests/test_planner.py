@@ -42,7 +42,7 @@ def test_model_states_follow_the_3d_formulas_for_a_balanced_model():
     for zero in (0, 1, 2, 3):
         p = plan(spec, Layout(dp=2, tp=1, pp=2, zero=zero, m=4), Workload(16, 16), vocab_parallel=False)
         for state in p.model_state_bytes:
-            assert state == pytest.approx(memory_3d(psi, 2, 1, 2, zero))
+            assert state == pytest.approx(memory_3d(psi, 2, 1, 2, zero), rel=1e-3)
     p = plan(spec, Layout(dp=4, tp=1, pp=2, zero=3, m=4), Workload(16, 32))
     assert p.model_state_bytes[0] == pytest.approx(16 * psi / 8, rel=1e-3)
 
