@@ -104,35 +104,97 @@ def stage_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def activation_bytes(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes one micro-batch's forward leaves alive on `stage` until its backward: the activations
+    autograd saves, the stage's output (on the last stage, the loss and what it saves).
+
+    `x`: one micro-batch of token ids (used by the first stage), `y`: its targets (used by the
+    last); other stages get a random hidden state of the right shape. Measured with
+    `distlab.meters.track_memory` after one untimed forward and backward (workspaces, lazy state).
+    """
+    from distlab.meters import track_memory
+    from distlab.runtime import device
+    config = stage.config
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        inp = x if stage.is_first else torch.randn(
+            activation_shape(config, x.shape[0]), device=device(),
+            dtype=activation_dtype(config)).requires_grad_()
+        out = stage(inp)
+        return inp, (stage_loss(out, y) if stage.is_last else out)
+
+    inp, out = forward()
+    out.sum().backward()
+    del inp, out
+    with track_memory() as mem:
+        inp, out = forward()
+        held = mem.current_bytes
+    del inp, out
+    stage.zero_grad(set_to_none=True)
+    return int(held)
+
+
 # ---- a fixed cost in place of kernels ---------------------------------------------------------------
 
-class _SleepInBackward(torch.autograd.Function):
+class _BackwardStarts(torch.autograd.Function):
+    """Identity; its backward (the first thing the stage's backward runs) stamps the start."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
+    def forward(ctx: Any, x: torch.Tensor, stamp: Any) -> torch.Tensor:
+        ctx.stamp = stamp
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)
+        ctx.stamp()
         return grad, None
 
 
+class _BackwardEnds(torch.autograd.Function):
+    """Identity; its backward (the last thing the stage's activation gradient runs) sleeps, then stamps."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float, stamp: Any) -> torch.Tensor:
+        ctx.seconds, ctx.stamp = seconds, stamp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.seconds)
+        ctx.stamp()
+        return grad, None, None
+
+
 class FixedCost(nn.Module):
-    """Wraps a stage: forward sleeps `forward_s`; backward sleeps `backward_s` on the activation
-    path and `weight_s` when the weight gradients are computed (a zero-bubble schedule runs these
-    apart, as B and W). Parameters and outputs are the stage's own.
+    """A stage whose forward takes `forward_s` more and whose backward takes `backward_s` (activation
+    gradient) plus `weight_s` (weight gradient) more: sleeps standing in for GPU kernels. A
+    zero-bubble schedule runs the two parts of the backward apart, as B and W.
+
+    With a `timeline` (`distlab.meters.Timeline`), each call records its spans: `F{k}` for the
+    k-th forward since `reset()`, `B{k}` for its backward (from the gradient reaching the stage's
+    output to the stage's input gradient). Schedules need no instrumentation of their own.
+    Parameters, `config`, `is_first`, `is_last` are the stage's.
     """
 
-    def __init__(self, stage: Stage, forward_s: float, backward_s: float, weight_s: float = 0.0) -> None:
+    def __init__(self, stage: Stage, forward_s: float, backward_s: float, weight_s: float = 0.0,
+                 timeline: Any = None) -> None:
         super().__init__()
         self.stage = stage
+        self.config, self.is_first, self.is_last = stage.config, stage.is_first, stage.is_last
         self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
+        self.timeline = timeline
+        self.calls = 0
         self._hooks = []
         if weight_s > 0:
             # Weight gradients: one sleep per backward, on the first parameter's gradient.
             first = next(stage.parameters())
             self._hooks.append(first.register_hook(self._weight_cost))
+
+    def reset(self, timeline: Any = None) -> None:
+        """Number micro-batches from 0 again (a new step); optionally record into a new timeline."""
+        self.calls = 0
+        if timeline is not None:
+            self.timeline = timeline
 
     def remove(self) -> Stage:
         """Take the weight-gradient cost off the stage's parameter; returns the bare stage."""
@@ -146,11 +208,27 @@ class FixedCost(nn.Module):
         return grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from distlab.meters import sync
+        k, self.calls = self.calls, self.calls + 1
+        tl = self.timeline
+        sync()
+        start = time.perf_counter()
         time.sleep(self.forward_s)
         h = self.stage.embed(x) if self.stage.is_first else x
-        if self.backward_s > 0 and h.requires_grad:
-            h = _SleepInBackward.apply(h, self.backward_s)
-        return self.stage.body(h)
+        began: list[float] = []
+        if h.requires_grad:
+            def end() -> None:
+                sync()
+                if tl is not None and began:
+                    tl.add(f"B{k}", "compute", began[0], time.perf_counter())
+            h = _BackwardEnds.apply(h, self.backward_s, end)
+        out = self.stage.body(h)
+        if out.requires_grad:
+            out = _BackwardStarts.apply(out, lambda: began.append(time.perf_counter()))
+        sync()
+        if tl is not None:
+            tl.add(f"F{k}", "compute", start, time.perf_counter())
+        return out
 
 
 def calibrated_cost(measured_s: float, *, factor: float = 10.0, floor_s: float = 0.004) -> float:

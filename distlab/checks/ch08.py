@@ -52,31 +52,6 @@ def _batch(m: int, config: Any, device: Any = None) -> tuple[torch.Tensor, torch
     return synthetic_batch(0, MICRO * m, config, device=device)
 
 
-def _unit_bytes(stage: Any, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Bytes one micro-batch's forward leaves alive on this stage (its saved activations and
-    output), measured with the same meter as the step; one backward first warms the device up."""
-    from distlab.pipeline import activation_shape, activation_dtype, stage_loss
-
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        if stage.is_first:
-            inp = x
-        else:
-            inp = torch.randn(activation_shape(stage.config, MICRO), device=distlab.device(),
-                              dtype=activation_dtype(stage.config)).requires_grad_()
-        out = stage(inp)
-        return inp, (stage_loss(out, y) if stage.is_last else out)
-
-    inp, out = forward()
-    out.sum().backward()          # warm-up: workspaces and lazy state are made outside the measurement
-    del inp, out
-    with track_memory() as mem:
-        inp, out = forward()
-        held = mem.current_bytes
-    del inp, out
-    stage.zero_grad(set_to_none=True)
-    return int(held)
-
-
 class PipelineTask(Task):
     """`kind`: 'forward' (inference only), 'gpipe' or '1f1b'."""
 
@@ -98,7 +73,7 @@ class PipelineTask(Task):
 
     # -- on every rank, with the learner's function ------------------------------------------------
     def exercise(self, case: Case, fn: Any) -> dict:
-        from distlab.pipeline import build_stage
+        from distlab.pipeline import activation_bytes, build_stage
         p, m, r = case.world_size, case.args["m"], distlab.rank()
         stage = build_stage(PRESET, r, p, seed=SEED, n_layers=LAYERS)
         x, y = _batch(m, stage.config)
@@ -106,7 +81,7 @@ class PipelineTask(Task):
         unit = 0
         if self.kind != "forward":
             distlab.runtime.progress(f"{p} stages, m={m}: measuring one micro-batch")
-            unit = _unit_bytes(stage, x[:MICRO], y[:MICRO])
+            unit = activation_bytes(stage, x[:MICRO], y[:MICRO])
             for q in stage.parameters():
                 q.grad = torch.zeros_like(q)      # gradients accumulate in place: not activations
         distlab.runtime.progress(f"{self.kind}, {p} stages, m={m}")
