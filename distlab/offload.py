@@ -43,7 +43,8 @@ def host_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t     # a DTensor (FSDP2): its local shard
+    return (str(t.device), local.untyped_storage().data_ptr())
 
 
 def _model_tensors(roots: Any) -> list[torch.Tensor]:

@@ -136,20 +136,6 @@ def activation_bytes(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
 
 # ---- a fixed cost in place of kernels ---------------------------------------------------------------
 
-class _BackwardStarts(torch.autograd.Function):
-    """Identity; its backward (the first thing the stage's backward runs) stamps the start."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, stamp: Any) -> torch.Tensor:
-        ctx.stamp = stamp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.stamp()
-        return grad, None
-
-
 class _BackwardEnds(torch.autograd.Function):
     """Identity; its backward (the last thing the stage's activation gradient runs) sleeps, then stamps."""
 
@@ -224,7 +210,9 @@ class FixedCost(nn.Module):
             h = _BackwardEnds.apply(h, self.backward_s, end)
         out = self.stage.body(h)
         if out.requires_grad:
-            out = _BackwardStarts.apply(out, lambda: began.append(time.perf_counter()))
+            # The gradient reaching the output is the first thing this stage's backward sees. A hook,
+            # not a view: schedules may detach the output in place (zero-bubble ones do).
+            out.register_hook(lambda grad: began.append(time.perf_counter()))
         sync()
         if tl is not None:
             tl.add(f"F{k}", "compute", start, time.perf_counter())

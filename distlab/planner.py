@@ -36,8 +36,8 @@ GB = 1e9
 
 # The seeds' recipe table by model size (2025): the reference the planner's choices are read against.
 RECIPES = (
-    (0, 7e9, "data parallel with ZeRO-1/2"),
-    (7e9, 70e9, "ZeRO-3 (FSDP or DeepSpeed)"),
+    (0, 10e9, "data parallel with ZeRO-1/2"),
+    (10e9, 70e9, "ZeRO-3 (FSDP or DeepSpeed)"),
     (70e9, 175e9, "ZeRO-3 + tensor parallel (8+ GPUs)"),
     (175e9, float("inf"), "3-D parallelism: dp x tp x pp (+ ZeRO on dp)"),
 )
