@@ -251,3 +251,25 @@ def idle_fractions(spans: Iterable[Any]) -> dict[int, float]:
 def bubble(spans: Iterable[Any]) -> float:
     """The measured bubble fraction: the ranks' mean idle share of the step window."""
     return statistics.fmean(idle_fractions(spans).values())
+
+
+def step_window(spans: Iterable[Any]) -> float:
+    """Seconds from the first compute span's start to the last one's end, over all ranks: one step."""
+    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
+    if not rows:
+        raise ValueError("no compute spans")
+    return max(r["end"] for r in rows) - min(r["start"] for r in rows)
+
+
+def slot_overhead(steps: Iterable[tuple[int, float]], p: int, slot_s: float) -> float:
+    """Fit T(m) = (m + p - 1)(slot_s + o) to measured (m, step seconds) pairs: the overhead o each
+    of the m + p - 1 slots adds to its forward and backward (messages, waking up). Least squares."""
+    pairs = [(m + p - 1, t) for m, t in steps]
+    if not pairs:
+        raise ValueError("no steps to fit")
+    return sum(k * (t - k * slot_s) for k, t in pairs) / sum(k * k for k, _ in pairs)
+
+
+def bubble_with_overhead(p: int, m: int, slot_s: float, overhead_s: float) -> float:
+    """Idle share when each of the m + p - 1 slots costs slot_s + overhead_s and a rank works m slot_s."""
+    return 1.0 - m * slot_s / ((m + p - 1) * (slot_s + overhead_s))

@@ -55,14 +55,19 @@ def schedule_chart(spans: Iterable[Any], *, title: str, ax: Any = None) -> Any:
 
 
 def bubble_vs_m(measured: Mapping[str, Sequence[tuple[int, float]]], theory: Any, *, stages: Sequence[int],
-                title: str) -> Any:
-    """Measured bubble fraction (points, one series per label) vs m, with (p-1)/(m+p-1) as lines."""
-    fig, ax = plt.subplots(figsize=(5.6, 3.6))
+                title: str, with_overhead: Mapping[int, Any] | None = None) -> Any:
+    """Measured bubble fraction (points, one series per label) vs m, with (p-1)/(m+p-1) as lines;
+    `with_overhead[p]`: m -> the bubble when every slot also carries a fitted overhead (dashed)."""
+    fig, ax = plt.subplots(figsize=(5.8, 3.7))
     ms = sorted({m for pts in measured.values() for m, _ in pts})
     grid = list(range(1, max(ms) + 1))
     for p in stages:
-        ax.plot(grid, [theory(p, m) for m in grid], "-", color="black", alpha=0.35 + 0.15 * stages.index(p),
+        shade = 0.35 + 0.15 * list(stages).index(p)
+        ax.plot(grid, [theory(p, m) for m in grid], "-", color="black", alpha=shade,
                 label=f"theory (p-1)/(m+p-1), p={p}")
+        if with_overhead and p in with_overhead:
+            ax.plot(grid, [with_overhead[p](m) for m in grid], "--", color="black", alpha=shade,
+                    label=f"theory + fitted overhead per slot, p={p}")
     markers = "os^vD"
     for i, (label, pts) in enumerate(measured.items()):
         pts = sorted(pts)
