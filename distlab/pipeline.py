@@ -261,15 +261,28 @@ def step_window(spans: Iterable[Any]) -> float:
     return max(r["end"] for r in rows) - min(r["start"] for r in rows)
 
 
-def slot_overhead(steps: Iterable[tuple[int, float]], p: int, slot_s: float) -> float:
-    """Fit T(m) = (m + p - 1)(slot_s + o) to measured (m, step seconds) pairs: the overhead o each
-    of the m + p - 1 slots adds to its forward and backward (messages, waking up). Least squares."""
-    pairs = [(m + p - 1, t) for m, t in steps]
-    if not pairs:
+def busy_per_microbatch(spans: Iterable[Any], m: int) -> float:
+    """Seconds of compute per micro-batch, averaged over ranks: each rank's forward + backward of one
+    micro-batch as it really ran (sleeps included, and whatever stretched them)."""
+    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
+    busy: dict[int, float] = {}
+    for r in rows:
+        busy[r["rank"]] = busy.get(r["rank"], 0.0) + (r["end"] - r["start"])
+    if not busy:
+        raise ValueError("no compute spans")
+    return statistics.fmean(busy.values()) / m
+
+
+def slot_overhead(steps: Iterable[tuple[int, float, float]], p: int) -> float:
+    """Fit T(m) = (m + p - 1)(s_m + o) to measured (m, step seconds T, busy seconds per micro-batch s_m):
+    the idle time o each of the m + p - 1 slots adds beyond its work (messages, waking up). Least squares."""
+    rows = [(m + p - 1, t, s) for m, t, s in steps]
+    if not rows:
         raise ValueError("no steps to fit")
-    return sum(k * (t - k * slot_s) for k, t in pairs) / sum(k * k for k, _ in pairs)
+    return sum(k * (t - k * s) for k, t, s in rows) / sum(k * k for k, _, _ in rows)
 
 
-def bubble_with_overhead(p: int, m: int, slot_s: float, overhead_s: float) -> float:
-    """Idle share when each of the m + p - 1 slots costs slot_s + overhead_s and a rank works m slot_s."""
+def bubble_with_overhead(p: int, m: int, overhead_s: float, slot_s: float) -> float:
+    """Idle share when each of the m + p - 1 slots takes slot_s of work plus overhead_s of waiting,
+    and a rank works m of them: 1 - m slot_s / ((m + p - 1)(slot_s + overhead_s))."""
     return 1.0 - m * slot_s / ((m + p - 1) * (slot_s + overhead_s))

@@ -95,3 +95,18 @@ def test_transfer_meter_counts_copies_between_model_and_host():
     split = host_device_split(model, state)
     assert split == {"device": 4 * psi, "host": 4 * psi}              # params + grads; fp32 state
     assert host_device_split((model, state)) == {"device": 8 * psi, "host": 0}
+
+
+def test_step_window_busy_time_and_the_overhead_fit():
+    from distlab.pipeline import bubble_with_overhead, busy_per_microbatch, slot_overhead, step_window
+    from distlab.theory.pipeline import bubble_fraction
+    spans = [Span(0, "F0", "compute", 0.0, 1.0), Span(0, "B0", "compute", 3.0, 4.0),
+             Span(1, "F0", "compute", 1.0, 3.0)]
+    assert step_window(spans) == 4.0
+    assert busy_per_microbatch(spans, 1) == pytest.approx(2.0)
+    # Steps that follow (m + p - 1)(s + o) exactly give back o; with o = 0 the bubble is the formula's.
+    p, s, o = 4, 0.06, 0.01
+    steps = [(m, (m + p - 1) * (s + o), s) for m in (1, 2, 4, 8)]
+    assert slot_overhead(steps, p) == pytest.approx(o)
+    assert bubble_with_overhead(p, 8, 0.0, s) == pytest.approx(bubble_fraction(p, 8))
+    assert bubble_with_overhead(p, 8, o, s) == pytest.approx(1 - 8 * s / (11 * (s + o)))
