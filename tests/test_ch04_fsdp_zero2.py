@@ -20,9 +20,10 @@ def _fsdp_step(track_mem: bool):
     from torch.distributed.fsdp import fully_shard
     preset = "small" if track_mem else "tiny"
     model = build_model(preset).to(torch.bfloat16)
+    mesh = distlab.mesh()   # on the rank's device type (required: see distlab.runtime.mesh)
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     opt = MixedPrecisionAdam(model.parameters(), lr=1e-3)
     x, y = split_batch(synthetic_batch(0, 8, PRESETS[preset]), distlab.rank(), distlab.world_size())
     if track_mem:  # one short sequence per rank: activations are far below the parameters
