@@ -5,13 +5,11 @@ belongs to, on one world size where one is enough, asserting on the verdict line
 """
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
 
 from distlab.buckets import GradBucket
-from distlab.checks import run_task
 from distlab.checks.ch04 import TASKS
 from labkit import answer_sources, answers, run
 
@@ -23,11 +21,13 @@ def _lines(lines):
 
 
 def _case(task: str, ns, n: int):
-    """The verdict lines of one task's case on `n` ranks only."""
-    t = copy.copy(TASKS[task])
-    cases = [c for c in t.cases() if c.world_size == n]
-    t.cases = lambda: cases
-    return _lines(run_task(t, [getattr(ns, a) for a in t.answers]))
+    """The verdict lines of one task's case on `n` ranks only (references cached as in run_task)."""
+    from distlab.checks.task import launch_exercise, reference_of, validate
+    t = TASKS[task]
+    case = next(c for c in t.cases() if c.world_size == n)
+    outputs = launch_exercise(t, case, tuple(getattr(ns, a) for a in t.answers))
+    validate(outputs)
+    return _lines(t.judge(case, outputs, reference_of(t, case)))
 
 
 # ---- no ranks: the bookkeeping ------------------------------------------------------------------

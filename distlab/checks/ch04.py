@@ -20,6 +20,7 @@ seeded models and batches, never by the learner's code.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -332,6 +333,7 @@ class BackwardTask(Task):
 
 # ---- 4. step, zero_grad --------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def train_single(variant: str, recipe: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The ground truth: one process (CPU), the whole batch, the plain optimizer."""
     opt_class, kw, dtype = RECIPES[recipe]

@@ -20,6 +20,7 @@ the learner's code.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -74,6 +75,7 @@ def _model_names(model: torch.nn.Module) -> list[list[str]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _train_single(steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The ground truth: one process (CPU), the whole batch."""
     model = build_model(PRESET, device="cpu")
