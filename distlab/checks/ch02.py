@@ -83,6 +83,7 @@ class WrapperTask(Task):
             Wrapper(start, **self.kwargs)                          # ... until the broadcast
             out["broadcast"] = _named(start)
         for variant in ("frozen", "tied"):
+            distlab.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights: wrapping the model")
             model = make_model(variant)
             ddp = Wrapper(model, **self.kwargs)
             opt = sgd(p for _, p in trainable(model))
@@ -243,26 +244,31 @@ class BucketLayoutTask(Task):
                    "each trainable parameter once"
 
         def in_place() -> str:
+            # Judged on the learner's own grouping (the layout line judges the grouping itself).
             for variant in ("frozen", "tied"):
-                buckets = reference[variant]["buckets"]
+                shapes = {k: (shape, m) for b in reference[variant]["buckets"] for k, shape, m in b}
                 for r, out in enumerate(outputs):
                     o = out[variant]
-                    expect(len(o["flat"]) == len(buckets) == len(o["views"]),
-                           f"{variant}, rank {r}: {len(o['flat'])} buckets, expected {len(buckets)}")
-                    for i, (b, (numel, dtype, device, storage)) in enumerate(zip(buckets, o["flat"])):
-                        expect(numel == sum(m for _, _, m in b), f"{variant}, rank {r}: bucket {i}'s flat buffer "
-                                                                 f"has {numel} elements, expected {sum(m for _, _, m in b)}")
+                    expect(len(o["flat"]) == len(o["buckets"]) == len(o["views"]),
+                           f"{variant}, rank {r}: {len(o['buckets'])} buckets but {len(o['flat'])} flat buffers")
+                    for i, (names, (numel, dtype, device, storage)) in enumerate(zip(o["buckets"], o["flat"])):
+                        expect(all(k in shapes for k in names), f"{variant}, rank {r}: bucket {i} holds a parameter "
+                                                                "that gets no gradient")
+                        want = sum(shapes[k][1] for k in names)
+                        expect(numel == want, f"{variant}, rank {r}: bucket {i}'s flat buffer has {numel} elements, "
+                                              f"its parameters {want}")
                         expect(dtype == torch.float32, f"bucket {i}'s buffer is {dtype}, the gradients are float32")
                         expect(device == o["param_device"], f"bucket {i}'s buffer is on {device}, the parameters "
                                                             f"on {o['param_device']}")
+                        expect(len(o["views"][i]) == len(names), f"bucket {i} has {len(o['views'][i])} views for "
+                                                                 f"{len(names)} parameters")
                         offset = 0
-                        for (k, shape, m), (at, vshape, vstorage) in zip(b, o["views"][i]):
+                        for k, (at, vshape, vstorage) in zip(names, o["views"][i]):
+                            shape, m = shapes[k]
                             expect(vstorage == storage and at == 4 * offset and vshape == shape,
                                    f"{variant}, rank {r}: the view of {k} is not its slice of bucket {i}'s flat "
                                    f"buffer (offset {offset}, shape {shape})")
                             offset += m
-                        expect(len(o["views"][i]) == len(b), f"bucket {i} has {len(o['views'][i])} views for "
-                                                             f"{len(b)} parameters")
             return "each gradient's view is its slice of the flat buffer"
 
         def broadcast() -> str:

@@ -14,7 +14,8 @@ The tasks follow the lab's steps:
   one all-gather, (N-1)/N·S bytes;
 - `step`: the whole optimizer. Four steps with SGD, AdamW (fp32) and the bf16
   recipe (`MixedPrecisionAdam`) on the frozen and the tied model match one
-  process on the whole batch; each rank keeps the optimizer states of its own
+  process on the whole batch (bf16: within two rounding steps, and at most 2%
+  of the weights more than one step away); each rank keeps the optimizer states of its own
   shard only; one step sends 2Ψ·b·(N-1)/N algorithmic bytes in reduce-scatters
   and all-gathers, nothing else.
 
@@ -62,6 +63,7 @@ RECIPES = {
 # fp32: summation order only. bf16: two rounding steps (2^-7 relative each): summing bf16 gradients in a
 # different order moves a weight by one bf16 step now and then.
 TOL = {"SGD": (1e-4, 1e-4), "AdamW": (1e-4, 1e-4), "MixedPrecisionAdam": (1e-2, 1.6e-2)}
+MAX_OFF_BY_A_STEP = 0.02     # bf16 recipe: the share of weights allowed more than one rounding step from the reference
 LAYOUT_DTYPES = {"frozen": torch.float32, "tied": torch.bfloat16}
 
 HANG_HINT = ("ZeRO-1 hangs when the ranks disagree about a collective: every rank must call the reduce-scatter "
@@ -371,6 +373,12 @@ def _step_reference() -> dict:
     return ref
 
 
+def _bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 bits of precision: 2^-7 relative, 2^(e-8) for x in [2^(e-1), 2^e))."""
+    _, e = torch.frexp(x.abs().float().clamp_min(2.0 ** -126))
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
+
+
 def _matches(outputs: list, reference: dict, recipe: str, variant: str) -> str:
     want = reference[recipe, variant]
     atol, rtol = TOL[recipe]
@@ -379,6 +387,15 @@ def _matches(outputs: list, reference: dict, recipe: str, variant: str) -> str:
         expect(got.keys() == want.keys(), f"rank {r} returned different parameter names")
         for k in want:
             compare(got[k], want[k], atol=atol, rtol=rtol, what=f"rank {r}'s {k}")
+        if recipe == "MixedPrecisionAdam":
+            # bf16 weights: a weight may land one rounding step away (summation order), but few do. Measured:
+            # a correct run moves < 0.5% of them; one that skips the all-gather leaves > 35% where they were,
+            # each by less than the tolerance above.
+            diff = torch.cat([(got[k].float() - want[k]).abs().flatten() for k in want])
+            step = torch.cat([_bf16_step(want[k]).flatten() for k in want])
+            off = (diff > 1.01 * step).float().mean().item()
+            expect(off <= MAX_OFF_BY_A_STEP, f"rank {r}: {off:.0%} of the weights differ from one process by more "
+                                             f"than one bf16 rounding step (a correct run: under 1%)")
     return "matches one process on the full batch"
 
 
