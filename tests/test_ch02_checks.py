@@ -34,7 +34,7 @@ def solution():
 
 
 def test_the_solution_passes_its_two_rank_cases(solution, no_orphans):
-    for name in ("naive", "bucket_layout", "bucketed"):
+    for name in ("bucket_layout", "bucketed"):
         out = _lines(_only(name), solution)
         assert out and all(line.startswith("PASS ") for line in out), out
 
@@ -196,3 +196,18 @@ def test_a_bucket_made_without_a_device_is_caught_by_the_audit(no_orphans):
     out = _lines(_only("bucketed"), answers(LAB, replace={"BucketedDDP": HOST_BUCKETS}))
     assert all(line.startswith("FAIL") and "raised DeviceAuditError: device audit: view_as() mixes" in line
                and "created without a device" in line for line in out), out
+
+
+def test_the_lab_holds_the_prelude_one_line_checks_and_its_expected_time():
+    import nbformat
+
+    from distlab.checks.ch02 import PRELUDE
+    from distlab.labs import is_check_cell
+    from labkit import ROOT
+    nb = nbformat.read(ROOT / "labs" / f"{LAB}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert PRELUDE in code[0].source
+    checks = [c for c in code if is_check_cell(c)]
+    assert [[line for line in c.source.splitlines() if not line.startswith("#")] for c in checks] == [
+        [f'grade("{name}", {TASKS[name].answers[0]})'] for name in TASKS]
+    assert "*Expected time:" in nb.cells[0].source

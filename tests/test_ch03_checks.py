@@ -158,3 +158,18 @@ def test_a_hang_is_reported_in_seconds_with_its_case_and_a_hint(no_orphans):
     n2 = len(TASKS["step"].cases()[0].lines)
     assert all("hung: rank(s)" in line for line in out[:n2]), out
     assert all(line.endswith("not run: an earlier case (2 ranks) hung") for line in out[n2:]), out
+
+
+def test_the_lab_holds_the_prelude_one_line_checks_and_its_expected_time():
+    import nbformat
+
+    from distlab.checks.ch03 import PRELUDE
+    from distlab.labs import is_check_cell
+    from labkit import ROOT
+    nb = nbformat.read(ROOT / "labs" / f"{LAB}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert PRELUDE in code[0].source
+    checks = [c for c in code if is_check_cell(c)]
+    assert [[line for line in c.source.splitlines() if not line.startswith("#")] for c in checks] == [
+        [f'grade("{name}", ShardedOptimizer)'] for name in TASKS]
+    assert "*Expected time:" in nb.cells[0].source
