@@ -169,15 +169,9 @@ def profile_spans(step: Any, *, compute_prefixes: tuple[str, ...] = ("fwd", "bwd
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     sync()
-    prof = profile(activities=activities)
-    with _native_stderr_silenced():   # kineto prints a timestamped line at every start and stop
-        prof.__enter__()
-    try:
+    with profile(activities=activities) as prof:
         step()
         sync()
-    finally:
-        with _native_stderr_silenced():
-            prof.__exit__(None, None, None)
     spans = []
     gpu_labels = set()
     if on_cuda:
@@ -197,23 +191,6 @@ def profile_spans(step: Any, *, compute_prefixes: tuple[str, ...] = ("fwd", "bwd
             spans.append(Span(r, e.name, "compute", start, end))
     del torch
     return spans
-
-
-@contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null inside the block (C++ libraries write there directly)."""
-    import os
-    import sys
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _on_device(event: Any) -> bool:
