@@ -16,7 +16,8 @@ PyTorch's on the same model, the same batches and the same meters:
 Everything is placed on the rank's device; times come from `distlab.bench.race`
 (barrier and device sync around every timed step); memory from `track_memory`
 and `model_state` (exact on every device); traffic from `track_comm`
-(algorithmic bytes). `record_strategy` writes the record the tour reads.
+(algorithmic bytes). `record_strategy` writes the record the tour reads (a race
+records itself: `RaceResult.record`).
 
 Sweeps over N stay on one backend (`sweep_world_sizes`): a figure never
 mixes NCCL points (allocator bytes, GPU time) with gloo points.
@@ -184,11 +185,3 @@ def record_strategy(name: str, *, world_size: int, num_params: int, recipe: str,
         comm_bytes_per_step=measured["comm"].total_bytes, predicted_comm_bytes_per_step=predicted_comm_bytes_per_step,
         samples_per_s=samples_per_s, max_abs_param_diff_vs_single=max_abs_param_diff_vs_single, **extra)
 
-
-def record_race(section: str, result: RaceResult, name: str, baseline: str, *, world_size: int,
-                **extra: Any) -> dict[str, Any]:
-    """One record of a race: the median paired speed ratio of `name` over `baseline` and its noise."""
-    lo, hi = result.spread(name, baseline)
-    return distlab.record(section, name=name, baseline=baseline, world_size=world_size,
-                          backend=backend_for(world_size), ratio=result.ratio(name, baseline),
-                          ratio_q25=lo, ratio_q75=hi, repeats=result.repeats, budget_hit=result.budget_hit, **extra)
