@@ -275,12 +275,20 @@ def _replay_output(workdir: str, world_size: int) -> None:
     sys.stderr.flush()
 
 
-def _read_error(workdir: str, r: int) -> dict | None:
+def _read_error(workdir: str, r: int, loads: Callable[[bytes], Any] = cloudpickle.loads) -> dict | None:
     path = os.path.join(workdir, f"rank{r}.err")
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
-        return cloudpickle.loads(f.read())
+        data = f.read()
+    try:
+        err = loads(data)
+    except Exception as exc:  # noqa: BLE001 - a rank may have written anything there
+        return {"type": "MalformedError", "message": f"the rank's error report could not be read ({exc})",
+                "traceback": ""}
+    if not (isinstance(err, dict) and all(isinstance(err.get(k), str) for k in ("type", "message", "traceback"))):
+        return {"type": "MalformedError", "message": "the rank's error report is malformed", "traceback": ""}
+    return err
 
 
 def _stacks(ranks: list[Any], stuck: list[int], workdir: str) -> dict[int, str]:
@@ -317,7 +325,8 @@ def _notes(stuck: list[int], workdir: str) -> dict[int, str]:
     return out
 
 
-def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, stall_s: float) -> list[Any]:
+def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, stall_s: float,
+          loads: Callable[[bytes], Any] = cloudpickle.loads) -> list[Any]:
     """Wait until every rank reports; on the first failure, a stall or the deadline, raise.
 
     A rank reports on its pipe ("ok" or "err"); a rank that dies without a
@@ -353,7 +362,7 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
                     pending.discard(r)
                     continue
             pending.discard(r)
-            err = _read_error(workdir, r)
+            err = _read_error(workdir, r, loads)
             if err is None:
                 ranks[r].join(timeout=1)
                 err = {"type": "ProcessDied", "traceback": "",
@@ -364,7 +373,7 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
     results = []
     for r in range(len(ranks)):
         with open(os.path.join(workdir, f"rank{r}.ok"), "rb") as f:
-            results.append(cloudpickle.loads(f.read()))
+            results.append(loads(f.read()))
     return results
 
 
@@ -375,7 +384,7 @@ def audit_requested() -> bool:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float | None = None, stall: float | None = None, audit: bool | None = None,
-           **kwargs: Any) -> list[Any]:
+           loads: Callable[[bytes], Any] | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results by rank.
 
     The process group is up before `fn` starts and torn down after it ends.
@@ -384,6 +393,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     `timeout` (seconds, default 4 h): a last-resort cap on the whole launch.
     `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU ranks, enforce the rule a
     GPU enforces (see `distlab.audit`).
+    `loads` (default `cloudpickle.loads`) reads each rank's result and error
+    report; `distlab grade` passes a safe unpickler, since learner code runs
+    on the ranks and can write anything into those files.
     Raises `RankFailed` if any rank raises, `LaunchStalled` if the ranks wait
     for each other forever, `LaunchTimeout` past the cap; in every case all
     ranks are stopped before it returns.
@@ -417,7 +429,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             send_end.close()  # the child holds the only write end: EOF means it died
             ranks.append(p)
             pipes.append(recv_end)
-        results = _wait(ranks, pipes, workdir, timeout, stall)
+        results = _wait(ranks, pipes, workdir, timeout, stall, loads or cloudpickle.loads)
         store.set(_runtime.EXIT_KEY, "1")  # every rank succeeded: let them leave together
         for p in ranks:
             p.join(timeout=10)
