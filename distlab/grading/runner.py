@@ -1,0 +1,152 @@
+"""The trusted runner: one per submission, inside its sandbox, runs every graded case.
+
+    python -m distlab.grading.runner --result-fd W --secret-fd S  < job.json
+
+The grader starts it (in bubblewrap unless --no-sandbox) with two pipes: it
+reads a 32-byte secret from S and closes S before any rank exists, and writes
+sealed records (`distlab.grading.channel`) to W, which no rank inherits. It
+makes itself non-dumpable first, so processes of the same user (the ranks)
+cannot read its memory or file descriptors through /proc or ptrace.
+
+For each task the lab grades, for each of its cases, it launches
+`rankside.run_case` on the case's ranks with `distlab.launch` (one
+forkserver for the whole submission; hangs end by the launcher's progress
+detection) and sends one record per case: the ranks' raw pickled outputs
+(never unpickled here beyond the launcher's safe reader), each rank's raw
+event stream with its key, or why the case failed. After a hang, a task's
+later cases are not run. Then a `done` record, and exit 0: the grader treats
+anything else as a failed submission.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import selectors
+import sys
+import tempfile
+import threading
+from typing import Any
+
+import psutil
+
+from distlab import procs
+from distlab.grading.channel import Writer
+
+MAX_STREAM = 8 << 20     # bytes of audit events kept per rank and case
+
+
+def _no_dump() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): /proc/<this>/mem, fd, environ and ptrace closed to the ranks."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Streams:
+    """Reads every rank's event FIFO while the case runs (a FIFO cannot be rewritten once read)."""
+
+    def __init__(self, folder: str, world_size: int) -> None:
+        self.paths = [os.path.join(folder, f"events{r}") for r in range(world_size)]
+        self.data = [bytearray() for _ in self.paths]
+        self.flooded = [False] * world_size
+        self.fds = []
+        for p in self.paths:
+            os.mkfifo(p, 0o600)
+            self.fds.append(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        sel = selectors.DefaultSelector()
+        for r, fd in enumerate(self.fds):
+            sel.register(fd, selectors.EVENT_READ, r)
+        while not self._stop.is_set():
+            for key, _ in sel.select(timeout=0.05):
+                self._drain(key.data)
+
+    def _drain(self, r: int) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fds[r], 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            if len(self.data[r]) + len(chunk) > MAX_STREAM:
+                self.flooded[r] = True
+                return
+            self.data[r] += chunk
+
+    def close(self) -> list[bytes]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for r in range(len(self.fds)):
+            self._drain(r)
+            os.close(self.fds[r])
+        return [bytes(d) for d in self.data]
+
+
+def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
+    """One launch of one case; a record for the grader (JSON-able, blobs in base64)."""
+    from distlab.checks.verdict import reason
+    from distlab.grading.rankside import run_case as on_rank
+    from distlab.grading.safeload import safe_loads
+    from distlab.launch import LaunchStalled, launch
+    streams = _Streams(folder, case.world_size)
+    record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
+    try:
+        outputs = launch(on_rank, case.world_size, job["lab"], task.name, index, job["cells"], job["names"][task.name],
+                         streams.paths, job["cap_s"], backend=job["backend"], stall=job["stall_s"],
+                         timeout=job["cap_s"], loads=safe_loads)
+        if not all(isinstance(o, bytes) for o in outputs):
+            raise TypeError("a rank returned something other than its pickled outputs")
+        record.update(status="ok", outputs=[base64.b64encode(o).decode() for o in outputs])
+    except Exception as exc:  # noqa: BLE001 - every failure is a line of the report
+        record.update(status="error", reason=reason(exc, task.hang_hint), hung=isinstance(exc, LaunchStalled))
+    record["streams"] = [base64.b64encode(s).decode() for s in streams.close()]
+    record["flooded"] = streams.flooded
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m distlab.grading.runner")
+    ap.add_argument("--result-fd", type=int, required=True)
+    ap.add_argument("--secret-fd", type=int, required=True)
+    args = ap.parse_args(argv)
+    _no_dump()
+    procs.become_subreaper()   # without a sandbox, a rank's orphans come back here to be stopped
+    with os.fdopen(args.secret_fd, "rb") as f:
+        secret = f.read(64)
+    os.set_inheritable(args.result_fd, False)
+    job = json.load(sys.stdin)
+    writer = Writer(args.result_fd, secret)
+    del secret
+    from distlab.checks import lab_module
+    module = lab_module(job["lab"])
+    work = tempfile.mkdtemp(prefix="distlab-runner-")
+    for name in job["tasks"]:
+        task = module.TASKS[name]
+        hung = ""
+        for index, case in enumerate(task.cases()):
+            if hung:
+                rec = {"kind": "case", "task": name, "case": index, "world_size": case.world_size,
+                       "status": "error", "reason": f"not run: {hung}", "streams": [], "flooded": []}
+            else:
+                folder = os.path.join(work, f"{name}-{index}")
+                os.mkdir(folder)
+                rec = run_case(job, task, index, case, folder)
+                if rec.get("hung"):
+                    hung = f"an earlier case ({case.world_size} ranks) hung"
+            writer.send(json.dumps(rec).encode())
+    writer.send(json.dumps({"kind": "done"}).encode())
+    procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
