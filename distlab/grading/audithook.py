@@ -67,11 +67,12 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     classes a checkpoint compares.
     """
     import _hashlib
+    import _thread
 
     import torch
     import torch.distributed as dist
 
-    from distlab.grading.pgmeter import OP_KINDS
+    from distlab.grading.pgmeter import OP_KINDS, booking
 
     libs, stdlib = trusted_roots()
     site_dirs = tuple(r for r in libs if r != stdlib[0])
@@ -80,11 +81,11 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     os.write(fd, key)
     head, digest, write, getframe = struct.Struct(">4sQI").pack, _hashlib.hmac_digest, os.write, sys._getframe
     _type, _str, _int, _list, _tuple, _dict = type, str, int, list, tuple, dict
-    _len, _getattr, _id, _sum, _any, _callable, _typetype = len, getattr, id, sum, any, callable, type
-    _bool, _float, _bytes, _int_of = bool, float, bytes, int
+    _len, _getattr, _id, _any, _callable, _typetype = len, getattr, id, any, callable, type
+    _bool, _float, _bytes, lock = bool, float, bytes, _thread.allocate_lock()
     startswith, join = str.startswith, str.join
-    numel, esize = torch._C.TensorBase.numel, torch._C.TensorBase.element_size
-    tdim, tsize = torch._C.TensorBase.dim, torch._C.TensorBase.size
+    book = booking(torch._C.TensorBase.numel, torch._C.TensorBase.element_size, torch._C.TensorBase.dim,
+                   torch._C.TensorBase.size)
     TensorBase, no_torch_fn = torch._C.TensorBase, torch._C.DisableTorchFunction
     mro_of, name_of = type.__dict__["__mro__"].__get__, type.__dict__["__name__"].__get__
     c10d_types = frozenset(v for v in vars(torch._C._distributed_c10d).values() if isinstance(v, type))
@@ -105,14 +106,15 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
 
     def send(*fields: Any) -> None:
         payload = join("\t", [f if _type(f) is _str else safe(f) for f in fields]).encode("utf-8", "replace")
-        n = seq[0]
-        seq[0] = n + 1
-        record = head(b"DLG1", n, _len(payload)) + payload + digest(key, head(b"DLG1", n, _len(payload))[4:]
-                                                                         + payload, "sha256")
-        try:
-            write(fd, record)
-        except OSError:
-            pass   # the runner sees the stream end early: that is the evidence
+        with lock:   # one record at a time, numbered in order, even from several threads
+            n = seq[0]
+            seq[0] = n + 1
+            record = head(b"DLG1", n, _len(payload)) + payload + digest(
+                key, head(b"DLG1", n, _len(payload))[4:] + payload, "sha256")
+            try:
+                write(fd, record)
+            except OSError:
+                pass   # the runner sees the stream end early: that is the evidence
 
     def safe(x: Any, depth: int = 0) -> str:
         """A short text for an event argument, without calling any of the learner's methods."""
@@ -168,14 +170,6 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         finally:
             busy[0] = False
 
-    def tensors_bytes(x: Any) -> int:
-        t = _type(x)
-        if t in (_list, _tuple):
-            return _sum([tensors_bytes(v) for v in x])
-        if TensorBase in mro_of(t):
-            return numel(x) * esize(x)
-        return 0
-
     def clean(x: Any, depth: int = 0) -> Any:
         """The learner's call arguments, refusing anything whose conversion could run their code."""
         t = _type(x)
@@ -186,37 +180,6 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         if TensorBase in mro_of(t):
             return x
         raise TypeError("distlab grade: a process-group call got a " + name_of(t))
-
-    def sent(kind: str, s: int, n: int) -> int:
-        if n == 1 or kind in ("recv", "barrier"):
-            return 0 if kind != "send" else s
-        factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n if kind in (
-            "all_gather", "reduce_scatter") else 1.0
-        return round(s * factor)
-
-    def booked(name: str, args: tuple, n: int, me: int) -> int:
-        kind = kinds[name]
-        with no_torch_fn():
-            if kind in ("all_reduce", "broadcast", "reduce", "send"):
-                return sent(kind, tensors_bytes(args[0]), n)
-            if kind == "all_gather":
-                return sent(kind, n * tensors_bytes(args[1]), n)
-            if kind == "reduce_scatter":
-                return sent(kind, n * tensors_bytes(args[0]), n)
-            if kind == "all_to_all":
-                if name == "alltoall":
-                    return tensors_bytes(args[1]) - tensors_bytes(args[1][me])
-                inp, splits = args[1], (args[3] if _len(args) > 3 else [])
-                whole = tensors_bytes(inp)
-                if splits and _type(inp) is not _list:
-                    rows = tsize(inp, 0) if tdim(inp) else 0
-                    return whole - splits[me] * (whole // rows if rows else 0)
-                return whole - whole // n
-            if kind == "gather":
-                return tensors_bytes(args[1]) if me != args[2].rootRank else 0
-            if kind == "scatter":
-                return (n - 1) * tensors_bytes(args[0]) if me == args[2].rootRank else 0
-        return 0
 
     def take_snapshot() -> None:
         for name, mod in modules.items():
@@ -253,7 +216,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                     or _type(box) is not _list or _type(call) is not _tuple:
                 raise RuntimeError("distlab grade: a call on a process group the grader did not create")
             call = clean(call)
-            send("op", kinds[name], booked(name, call, entry[2], entry[3]), entry[4])
+            with no_torch_fn():
+                kind, nbytes = book(name, call, entry[2], entry[3])
+            send("op", kind, nbytes, entry[4])
             box.append(_getattr(entry[1], aliases.get(name, name))(*call))
         elif ev == "distlab.pg.create":
             group, store, rank, size, timeout = args
@@ -269,11 +234,11 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 k = region_count[0]
                 region_count[0] = k + 1
                 meters[_id(meter)] = (meter, k, mine)
-                send("region", "begin", k, _int_of(mine))
+                send("region", "begin", k, _int(mine))
             elif _id(meter) in meters:
                 _, k, was = meters[_id(meter)]
                 if edge == "end":
-                    send("region", "end", k, _int_of(was or mine))
+                    send("region", "end", k, _int(was or mine))
                 elif edge == "stats":
                     stats[_id(args[2])] = (args[2], k, was or mine)
         elif ev == "distlab.lookup":

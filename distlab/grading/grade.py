@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from distlab.checks.task import CHECK_STALL_S, Case, Task, reference_of, run_task
-from distlab.checks.verdict import CheckFailed
+from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
+from distlab.checks.verdict import CheckFailed, reason
 from distlab.grading import evidence, sandbox, submission
 from distlab.grading.lab import ShippedLab, load_lab
 from distlab.grading.safeload import UnsafeResult, safe_loads
@@ -78,8 +78,9 @@ def prepare(lab: str | Path, only: list[str] | None = None) -> ShippedLab:
     """The lab, its selected tasks, and every case's reference computed once (here, no learner code)."""
     the_lab = load_lab(lab).select(only)
     for graded in the_lab.graded:
-        for case in graded.task.cases():
-            reference_of(graded.task, case)
+        cases = graded.task.cases()
+        for i in graded.cases:
+            reference_of(graded.task, cases[i])
     return the_lab
 
 
@@ -117,22 +118,31 @@ def _b64(text: Any) -> bytes:
         return b""
 
 
+def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], failure: str = "") -> list[Line]:
+    """The verdict lines of one case, judged here from the runner's record (like `run_task`)."""
+    try:
+        if record is None:
+            raise CheckFailed(f"not run: {failure or 'the runner sent no result for this case'}")
+        outputs = _case_outputs(record, seen)
+        validate(outputs)
+        ref = reference_of(task, case)
+    except Exception as exc:  # noqa: BLE001 - every failure is a verdict
+        return [Line(n, False, reason(exc, task.hang_hint)) for n in case.lines]
+    try:
+        lines = {line.name: line for line in task.judge(case, outputs, ref)}
+    except Exception as exc:  # noqa: BLE001 - a malformed output must not crash the verdict
+        lines = {n: Line(n, False, f"malformed result from the ranks ({type(exc).__name__})") for n in case.lines}
+    return [lines.get(n, Line(n, False, "no verdict (malformed result)")) for n in case.lines]
+
+
 def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], list[str]]:
     """Every graded line from the runner's records; (verdicts, audit flags)."""
     records = {(r.get("task"), r.get("case")): r for r in outcome.records if r.get("kind") == "case"}
     verdicts, flags = [], []
     for graded in lab.graded:
-        task: Task = graded.task
-        seen: list[str] = []
-        index = iter(range(len(task.cases())))
-
-        def run(task_: Task, case: Case, answers: tuple, _index: Any = index, _seen: list = seen) -> list[Any]:
-            rec = records.get((task_.name, next(_index)))
-            if rec is None:
-                raise CheckFailed(f"not run: {outcome.failure or 'the runner sent no result for this case'}")
-            return _case_outputs(rec, _seen)
-
-        lines = run_task(task, (), run=run)
+        task, cases, seen = graded.task, graded.task.cases(), []
+        lines = [line for i in graded.cases
+                 for line in judge_case(task, cases[i], records.get((task.name, i)), seen, outcome.failure)]
         seen = list(dict.fromkeys(seen))
         flags += [f"{task.name}: {s}" for s in seen]
         for line in lines:
@@ -151,7 +161,7 @@ def grade_one(lab: ShippedLab, path: Path, name: str, opts: Options) -> Result:
     all_lines = [(line, g.task.points) for g in lab.graded for line in g.lines]
     try:
         answers, missing = submission.answers(lab, submission.read(path))
-        job = {"lab": lab.name, "tasks": [g.task.name for g in lab.graded], "cells": answers,
+        job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
                "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
                "cap_s": opts.case_cap_s, "backend": opts.backend}
         log = (Path(opts.keep) / f"{Path(name).stem}.runner.log") if opts.keep else \
@@ -159,7 +169,7 @@ def grade_one(lab: ShippedLab, path: Path, name: str, opts: Options) -> Result:
         log.parent.mkdir(parents=True, exist_ok=True)
         on_record = None
         if opts.progress is not None:
-            total = sum(len(g.task.cases()) for g in lab.graded)
+            total = sum(len(g.cases) for g in lab.graded)
             count = [0]
 
             def on_record(rec: dict) -> None:

@@ -29,14 +29,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Graded:
-    """One task the lab grades, called with the learner's `names`."""
+    """One task the lab grades, called with the learner's `names`; `cases` are the indices graded."""
 
     task: Task
     names: tuple[str, ...]
+    cases: tuple[int, ...] = ()
 
     @property
     def lines(self) -> list[str]:
-        return self.task.lines()
+        all_cases = self.task.cases()
+        return [line for i in self.cases for line in all_cases[i].lines]
 
 
 @dataclass
@@ -48,12 +50,22 @@ class ShippedLab:
     answer_cells: list[tuple[str, list[str]]] = field(default_factory=list)   # (cell id, names it defines)
 
     def select(self, only: list[str] | None) -> "ShippedLab":
-        """Keep the tasks whose name, or one of whose verdict lines, contains one of `only`."""
-        if only:
-            self.graded = [g for g in self.graded if any(s in g.task.name or any(s in line for line in g.lines)
-                                                         for s in only)]
-            if not self.graded:
-                raise ValueError(f"no graded task of {self.name} matches {only}")
+        """Keep the tasks whose name contains one of `only`, and the cases of other tasks one of
+        whose verdict lines contains one of `only` ('reduce_scatter, 2 ranks')."""
+        if not only:
+            return self
+        kept = []
+        for g in self.graded:
+            if any(s in g.task.name for s in only):
+                kept.append(g)
+                continue
+            cases = tuple(i for i, case in enumerate(g.task.cases()) if any(s in line for line in case.lines
+                                                                              for s in only))
+            if cases:
+                kept.append(Graded(g.task, g.names, cases))
+        if not kept:
+            raise ValueError(f"no graded task or verdict line of {self.name} matches {only}")
+        self.graded = kept
         return self
 
 
@@ -111,7 +123,8 @@ def load_lab(lab: str | Path) -> ShippedLab:
                 if task_name not in module.TASKS:
                     raise ValueError(f"{path.name}: a check cell grades {task_name!r}, which "
                                      f"{module.__name__} does not define (tasks: {sorted(module.TASKS)})")
-                out.graded.append(Graded(module.TASKS[task_name], tuple(names)))
+                task = module.TASKS[task_name]
+                out.graded.append(Graded(task, tuple(names), tuple(range(len(task.cases())))))
     if not out.graded:
         raise ValueError(f"{path} has no graded check cell (a cell tagged nbval-check-output calling grade(...))")
     return out

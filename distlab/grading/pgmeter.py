@@ -42,6 +42,64 @@ OP_KINDS = {
 }
 
 
+def booking(numel: Any, element_size: Any, dim: Any, size: Any) -> Any:
+    """`book(name, args, n, me) -> (kind, bytes)`: what one call sends, as `track_comm` books it.
+
+    Built once, before learner code runs, from the tensor functions given
+    (unbound `TensorBase` methods): the returned closure uses nothing a
+    learner could rebind later. `args` are the call's arguments as the
+    ProcessGroup method received them; S is the whole message as nccl-tests
+    defines it (all-gather: N x input; reduce-scatter: N x output).
+    """
+    kinds, _type, _list, _tuple, _len, _round = dict(OP_KINDS), type, list, tuple, len, round
+    mro = type.__dict__["__mro__"].__get__
+    import torch
+    tensor_base = torch._C.TensorBase
+
+    def nbytes(x: Any) -> int:
+        t = _type(x)
+        if t is _list or t is _tuple:
+            total = 0
+            for v in x:
+                total += nbytes(v)
+            return total
+        return numel(x) * element_size(x) if tensor_base in mro(t) else 0
+
+    def sent(kind: str, s: int, n: int) -> int:
+        if n == 1 or kind in ("recv", "barrier"):
+            return s if kind == "send" else 0
+        if kind == "all_reduce":
+            return _round(s * (2 * (n - 1) / n))
+        if kind in ("all_gather", "reduce_scatter"):
+            return _round(s * ((n - 1) / n))
+        return _round(s * 1.0)
+
+    def book(name: str, args: tuple, n: int, me: int) -> tuple[str, int]:
+        kind = kinds[name]
+        if kind in ("all_reduce", "broadcast", "reduce", "send"):
+            return kind, sent(kind, nbytes(args[0]), n)
+        if kind == "all_gather":
+            return kind, sent(kind, n * nbytes(args[1]), n)
+        if kind == "reduce_scatter":
+            return kind, sent(kind, n * nbytes(args[0]), n)
+        if kind == "all_to_all":
+            inp = args[1]
+            if name == "alltoall":
+                return kind, nbytes(inp) - nbytes(inp[me])
+            whole, splits = nbytes(inp), (args[3] if _len(args) > 3 else [])
+            if splits and _type(inp) is not _list:
+                rows = size(inp, 0) if dim(inp) else 0
+                return kind, whole - splits[me] * (whole // rows if rows else 0)
+            return kind, whole - whole // n
+        if kind == "gather":
+            return kind, nbytes(args[1]) if me != args[2].rootRank else 0
+        if kind == "scatter":
+            return kind, (n - 1) * nbytes(args[0]) if me == args[2].rootRank else 0
+        return kind, 0
+
+    return book
+
+
 class MeteredGroup(dist.ProcessGroup):
     """A process group whose every call is run (and booked) by the grader's audit hook."""
 

@@ -8,7 +8,7 @@ sealed records (`distlab.grading.channel`) to W, which no rank inherits. It
 makes itself non-dumpable first, so processes of the same user (the ranks)
 cannot read its memory or file descriptors through /proc or ptrace.
 
-For each task the lab grades, for each of its cases, it launches
+For each task the lab grades, for each of its cases graded, it launches
 `rankside.run_case` on the case's ranks with `distlab.launch` (one
 forkserver for the whole submission; hangs end by the launcher's progress
 detection) and sends one record per case: the ranks' raw pickled outputs
@@ -27,6 +27,7 @@ import selectors
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 import psutil
@@ -34,6 +35,7 @@ import psutil
 from distlab import procs
 from distlab.grading.channel import Writer
 
+_STARTED = time.monotonic()
 MAX_STREAM = 8 << 20     # bytes of audit events kept per rank and case
 
 
@@ -124,22 +126,28 @@ def main(argv: list[str] | None = None) -> int:
         secret = f.read(64)
     os.set_inheritable(args.result_fd, False)
     job = json.load(sys.stdin)
+    print(f"distlab grade: runner up in {time.monotonic() - _STARTED:.1f} s", file=sys.stderr, flush=True)
     writer = Writer(args.result_fd, secret)
     del secret
     from distlab.checks import lab_module
     module = lab_module(job["lab"])
     work = tempfile.mkdtemp(prefix="distlab-runner-")
-    for name in job["tasks"]:
+    for name, indices in job["tasks"]:
         task = module.TASKS[name]
         hung = ""
-        for index, case in enumerate(task.cases()):
+        cases = task.cases()
+        for index in indices:
+            case = cases[index]
             if hung:
                 rec = {"kind": "case", "task": name, "case": index, "world_size": case.world_size,
                        "status": "error", "reason": f"not run: {hung}", "streams": [], "flooded": []}
             else:
                 folder = os.path.join(work, f"{name}-{index}")
                 os.mkdir(folder)
+                started = time.monotonic()
                 rec = run_case(job, task, index, case, folder)
+                print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
+                      f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
                 if rec.get("hung"):
                     hung = f"an earlier case ({case.world_size} ranks) hung"
             writer.send(json.dumps(rec).encode())
