@@ -84,6 +84,10 @@ class Block(nn.Module):
         self.out = Linear(c.d_ff, c.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from distlab.precision import compute_dtype
+        # FSDP2's MixedPrecisionPolicy casts a unit's inputs to its param_dtype (bf16): compute in the
+        # device's dtype for it (fp32 where bf16 is emulated); the gathered weights stay bf16.
+        x = x.to(compute_dtype(x.dtype, x.device))
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         # (B, T, D) -> (B, nh, T, hs)

@@ -22,7 +22,7 @@ def memory_bars(measured: Sequence[Mapping[str, float]], labels: Sequence[str],
 
     `measured[i]` / `predicted[i]`: {component: bytes} for bar group `labels[i]`.
     """
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels) + 2), 3.6))
+    fig, ax = plt.subplots(figsize=(min(14, max(6, 1.1 * len(labels) + 2)), 4.2))
     width = 0.38 if predicted else 0.6
     components = [c for c in COMPONENT_COLORS if any(c in m for m in list(measured) + list(predicted or []))]
     for j, series in enumerate([measured] + ([predicted] if predicted else [])):
@@ -34,8 +34,10 @@ def memory_bars(measured: Sequence[Mapping[str, float]], labels: Sequence[str],
                    hatch="//" if j else None, edgecolor="white" if not j else "black", linewidth=0.5,
                    label=comp.replace("_", " ") if (j == 0 or comp == "total") and any(vals) else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set_ylabel("MiB" if unit == MB else f"x{unit:g} bytes")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8, rotation=30 if len(labels) > 5 else 0,
+                  ha="right" if len(labels) > 5 else "center")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("MiB per rank" if unit == MB else f"x{unit:g} bytes")
     ax.set_title(title + ("  (solid: measured, hatched: theory)" if predicted else ""), fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()

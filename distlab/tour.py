@@ -62,14 +62,23 @@ def _launcher_record(world_size: int, repeats: int) -> dict[str, Any]:
     return {k: rec[k] for k in ("world_size", "first_launch_s", "relaunch_s")}
 
 
-def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int) -> float:
-    """Run one notebook headlessly in its own folder; it records into `out`."""
+def _code_cells(path: Path) -> int:
     import nbformat
+
+    from distlab.labs import is_check_cell
+    nb = nbformat.read(path, as_version=4)
+    return sum(1 for c in nb.cells if c.cell_type == "code" and not is_check_cell(c))
+
+
+def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int, on_cell: Any = None) -> float:
+    """Run one notebook headlessly in its own folder; it records into `out`. Raises on a failing cell."""
+    import nbformat
+    from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
     from distlab.labs import is_check_cell
     env = {"DISTLAB_RESULTS": str(out.resolve()), "DISTLAB_QUICK": "1" if quick else "0",
-           "DISTLAB_WORLD_SIZE": str(world_size)}
+           "DISTLAB_WORLD_SIZE": str(world_size), "MPLBACKEND": "Agg"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     start = time.perf_counter()
@@ -77,8 +86,10 @@ def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int) -> fl
         nb = nbformat.read(path, as_version=4)
         # Graded checks verify answers (tests and grading do that); they measure nothing.
         nb.cells = [c for c in nb.cells if not is_check_cell(c)]
-        NotebookClient(nb, timeout=1800, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        # IPC transport: a local kernel needs no TCP port (and prints no warning about one).
+        km = KernelManager(kernel_name="python3", transport="ipc")
+        NotebookClient(nb, km=km, timeout=None, resources={"metadata": {"path": str(path.parent)}},
+                       on_cell_executed=(lambda **_: on_cell()) if on_cell else None).execute()
     finally:
         for k, v in saved.items():
             if v is None:
@@ -100,12 +111,12 @@ def _figures(summary: dict[str, Any], out: Path) -> list[str]:
                        model_state_bytes=_components(s["model_state_bytes"]))
                   for s in summary.get("strategies") or []]
     if strategies:
-        by_name = {f"{s['name']} N={s['world_size']}": s for s in strategies}
+        by_name = {_label(s): s for s in strategies}
         fig = plots.memory_bars([s["model_state_bytes"] for s in by_name.values()], list(by_name),
                                 [s.get("predicted_model_state_bytes", {}) for s in by_name.values()])
         fig.savefig(out / "strategies_memory.png", dpi=110)
-        fig = plots.value_bars({k: s["samples_per_s"] for k, s in by_name.items()},
-                               ylabel="samples/s", title="Throughput by strategy (measured)")
+        fig = plots.value_bars({k: s["samples_per_s"] for k, s in by_name.items() if s.get("samples_per_s")},
+                               ylabel="samples/s", title="Throughput by strategy, each timed alone (measured)")
         fig.savefig(out / "strategies_throughput.png", dpi=110)
         made += ["strategies_memory.png", "strategies_throughput.png"]
         scaling = _memory_vs_n(strategies)
@@ -113,6 +124,13 @@ def _figures(summary: dict[str, Any], out: Path) -> list[str]:
             scaling.savefig(out / "strategies_memory_vs_n.png", dpi=110)
             made.append("strategies_memory_vs_n.png")
     return made
+
+
+def _label(s: dict[str, Any]) -> str:
+    """'zero1\nN=2, bf16+fp32 Adam' for a strategy record (name, N and recipe on the bar)."""
+    recipe = f", {s['recipe']}" if s.get("recipe") else ""
+    backend = f", {s['backend']}" if s.get("backend") and s.get("backend") != "gloo" else ""
+    return f"{s['name']}\nN={s['world_size']}{recipe}{backend}"
 
 
 def _components(value: Any) -> dict[str, float]:
@@ -133,73 +151,46 @@ def _memory_vs_n(strategies: list[dict[str, Any]]) -> Any:
     series = {k: sorted(v) for k, v in series.items() if len({n for n, _, _ in v}) > 1}
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = plt.subplots(figsize=(7, 4))
     for i, (name, pts) in enumerate(sorted(series.items())):
         color = f"C{i}"
         ns = [p[0] for p in pts]
-        ax.plot(ns, [p[2] / 2**20 for p in pts], "-", color=color, alpha=0.6)
-        ax.plot(ns, [p[1] / 2**20 for p in pts], "o", color=color, label=name)
+        # Each strategy against its own theory line (fully_shard without resharding: 16Ψ/N at rest).
+        ax.plot(ns, [p[2] / 2**20 for p in pts], "-", color=color, alpha=0.6, label=f"{name}: theory")
+        ax.plot(ns, [p[1] / 2**20 for p in pts], "o", color=color, label=f"{name}: measured")
     ax.set_xticks(sorted({p[0] for pts in series.values() for p in pts}))
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("N (ranks)")
     ax.set_ylabel("model-state MiB per rank")
-    ax.set_title("Memory per rank vs N (points: measured, lines: theory)", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set_title("Model-state memory per rank vs N (points: measured, lines: theory)", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
 
 
-def _table(rows: list[dict[str, Any]], keys: list[str]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _report(summary: dict[str, Any], figures: list[str], timings: dict[str, float]) -> str:
-    m = summary["machine"]
-    parts = [
-        "# distlab tour report", "",
-        f"Machine: {m['device_count']} x {m['device_kind']} ({m['backend']}), torch {m['torch_version']}, "
-        f"{m['cpu_count']} CPU cores. Mode: {summary['mode']}. Every number below was measured on this run; "
-        "theory appears only in columns named `predicted_*`.", "",
-        "## Launcher", "", _table(summary["launcher"], ["world_size", "first_launch_s", "relaunch_s"]), "",
-    ]
-    if summary.get("collectives"):
-        parts += ["## Collectives (busbw, nccl-tests definitions)", "",
-                  _table(summary["collectives"], ["op", "impl", "world_size", "bytes", "seconds",
-                                                  "algbw_GBps", "busbw_GBps"]), ""]
-    for section, rows in summary.items():
-        if section in ("machine", "launcher", "collectives", "mode", "notebooks") or not rows:
-            continue
-        keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
-        parts += [f"## {section}", "", _table(rows, keys), ""]
-    if timings:
-        parts += ["## Notebooks executed", "", _table([{"notebook": k, "seconds": v} for k, v in timings.items()],
-                                                      ["notebook", "seconds"]), ""]
-    parts += [f"![{f}]({f})" for f in figures]
-    return "\n".join(parts) + "\n"
-
-
 def run_tour(out: Path, quick: bool = False, world_size: int | None = None, notebooks: bool = True) -> int:
-    """Run the tour; return an exit status."""
+    """Run the tour; return an exit status (1 if a notebook failed: the others still run)."""
     from distlab.bench.collectives import sweep
     from distlab.doctor import machine
+    from distlab.precision import bf16_speed_ratio
     from distlab.results import load_records
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.jsonl"):
         stale.unlink()  # a tour's summary holds this run's measurements only
     info = machine()
+    info["bf16_over_fp32"] = bf16_speed_ratio()
     on_gpu = info["backend"] == "nccl"
     n = world_size or (info["gpu_count"] if on_gpu else 4)
     root = repo_root()
     nb_paths = [root / p for p in TOUR_NOTEBOOKS if root and (root / p).exists()] if notebooks else []
     launcher_sizes = sorted({2, n}) if n > 1 else [1]
-    steps = len(launcher_sizes) + 1 + len(nb_paths)
+    cells = {p: _code_cells(p) for p in nb_paths}
+    total = len(launcher_sizes) + 1 + sum(cells.values())
     summary: dict[str, Any] = {"machine": info, "mode": "quick" if quick else "full", "launcher": []}
     timings: dict[str, float] = {}
-    with tqdm(total=steps, desc="distlab tour", unit="step") as bar:
+    failures: list[str] = []
+    with tqdm(total=total, desc="distlab tour", unit="cell", dynamic_ncols=True) as bar:
         for k in launcher_sizes:
             bar.set_postfix_str(f"launcher x{k}")
             summary["launcher"].append(_launcher_record(k, repeats=3 if quick else 10))
@@ -210,20 +201,30 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
         for path in nb_paths:
             rel = str(path.relative_to(root))
             bar.set_postfix_str(rel)
-            timings[rel] = _execute_notebook(path, out, quick, n)
-            bar.update()
+            done_before = bar.n
+            try:
+                timings[rel] = _execute_notebook(path, out, quick, n, on_cell=lambda: bar.update())
+            except Exception as exc:  # noqa: BLE001 - one chapter failing must not hide the others
+                reason = str(exc).strip().splitlines()
+                failures.append(f"{rel}: {reason[-1] if reason else type(exc).__name__}")
+                tqdm.write(f"distlab tour: {rel} failed: {reason[-1] if reason else exc}")
+            bar.update(cells[path] - (bar.n - done_before))
     for section, rows in load_records(out).items():
         summary.setdefault(section, []).extend(rows)
     summary["notebooks"] = timings
+    summary["failures"] = failures
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     figures = _figures(summary, out)
-    (out / "report.md").write_text(_report(summary, figures, timings))
-    print(f"wrote {out / 'summary.json'}, {out / 'report.md'} and {len(figures)} figure(s)")
+    from distlab.report import write
+    md, page = write(summary, figures, out)
+    print(f"wrote {out / 'summary.json'}, {md}, {page} and {len(figures)} figure(s)")
     for rec in summary["launcher"]:
         print(f"  launch x{rec['world_size']}: first {rec['first_launch_s']:.2f} s, relaunch {rec['relaunch_s']:.3f} s")
     big = [r for r in summary["collectives"] if r["op"] == "all_reduce" and r["impl"] == "library"][-1]
     print(f"  all-reduce busbw at {big['bytes'] / 2**20:.0f} MiB on {n} ranks: {big['busbw_GBps']:.2f} GB/s")
-    return 0
+    for f in failures:
+        print(f"  FAILED {f}")
+    return 1 if failures else 0
 
 
 def add_parser(sub):

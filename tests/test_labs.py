@@ -47,21 +47,43 @@ def test_solution_check_outputs_all_pass(solution):
         assert not bad, f"{solution.name}: committed check output is not all PASS: {bad}"
 
 
+def _check_calls(nb) -> list[tuple[str, list[str]]]:
+    """(task name, answer names) of every `grade("task", answer, ...)` check cell, in order."""
+    import ast
+    calls = []
+    for cell in nb.cells:
+        if cell.cell_type != "code" or not is_check_cell(cell):
+            continue
+        body = [n for n in ast.parse(cell.source).body if isinstance(n, ast.Expr)]
+        assert len(body) == 1 and isinstance(body[0].value, ast.Call) and getattr(body[0].value.func, "id", "") == "grade", \
+            f"a check cell must be one grade(...) call:\n{cell.source}"
+        args = body[0].value.args
+        calls.append((args[0].value, [a.id for a in args[1:]]))
+    return calls
+
+
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_unfilled_lab_fails_every_graded_check(solution, tmp_path, no_orphans):
-    lab = make_lab(nbformat.read(solution, as_version=4))
-    for cell in lab.cells:
-        if is_check_cell(cell):
-            cell.outputs = []
-    NotebookClient(lab, timeout=600, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    checks = [c for c in lab.cells if c.cell_type == "code" and is_check_cell(c)]
-    for cell in checks:
-        errors = [o for o in cell.outputs if o.get("output_type") == "error"]
-        assert not errors, f"a check cell crashed instead of printing a verdict:\n{cell.source}\n{errors}"
-        out = _stdout(cell)
-        assert "FAIL " in out, f"check cell printed no FAIL on the unfilled lab:\n{cell.source}\n{out}"
-        assert "PASS " not in out, f"a check passes on the unfilled lab (cannot fail?):\n{out}"
+def test_check_cells_are_one_line_and_name_the_labs_tasks(solution):
+    from distlab.checks import lab_module
+    nb = nbformat.read(solution, as_version=4)
+    module = lab_module(solution.stem)
+    calls = _check_calls(nb)
+    assert [t for t, _ in calls] == list(module.TASKS), "every task graded once, in the module's order"
+    for task, names in calls:
+        assert tuple(names) == module.TASKS[task].answers, (task, names)
+    setup = next(c for c in nb.cells if c.cell_type == "code")
+    assert module.PRELUDE in setup.source, "the lab's setup cell holds the check module's PRELUDE verbatim"
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_unfilled_lab_fails_every_graded_line(solution, no_orphans):
+    """The stubs (answers replaced by NotImplementedError), run as the grader runs them: every line FAILs."""
+    from labkit import answers, run
+    from distlab.checks import lab_module
+    stubs = answers(solution.stem, stub=True)
+    for task in lab_module(solution.stem).TASKS:
+        lines = run(solution.stem, task, stubs)
+        assert lines and not any(line.ok for line in lines), [str(line) for line in lines if line.ok]
 
 
 def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path):

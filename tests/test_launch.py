@@ -196,15 +196,6 @@ def test_relaunch_is_fast_enough_to_feel_instant(no_orphans):
     assert time.monotonic() - start < 10
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_nccl_world_size_one_on_gpu(no_orphans):
-    def on_gpu():
-        t = torch.ones(4, device=distlab.device())
-        dist.all_reduce(t)
-        return distlab.backend(), str(distlab.device()), t.sum().item()
-    assert distlab.launch(on_gpu, 1, backend="nccl") == [("nccl", "cuda:0", 4.0)]
-
-
 def test_same_worker_code_runs_under_torchrun(tmp_path, no_orphans):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""

@@ -78,20 +78,20 @@ def test_comm_counts_ddp_reducer_bytes(n, no_orphans):
 
 def _every_collective():
     from distlab.collectives import all_gather_tensor, reduce_scatter_tensor
-    n, r = distlab.world_size(), distlab.rank()
-    t = torch.ones(12)
+    n, r, dev = distlab.world_size(), distlab.rank(), distlab.device()
+    t = torch.ones(12, device=dev)
     with track_comm() as comm:
         dist.all_reduce(t)
         dist.broadcast(t, 0)
-        all_gather_tensor(torch.empty(12 * n), t)
-        reduce_scatter_tensor(torch.empty(12 // n), t)
-        dist.all_to_all_single(torch.empty(12), t)
+        all_gather_tensor(torch.empty(12 * n, device=dev), t)
+        reduce_scatter_tensor(torch.empty(12 // n, device=dev), t)
+        dist.all_to_all_single(torch.empty(12, device=dev), t)
         if r == 0:
             dist.send(t, 1)
         elif r == 1:
             dist.recv(t, 0)
         work = dist.isend(t, (r + 1) % n)
-        dist.recv(torch.empty(12), (r - 1) % n)
+        dist.recv(torch.empty(12, device=dev), (r - 1) % n)
         work.wait()
     return comm.stats()
 
@@ -113,10 +113,10 @@ def _timeline_job():
     tl = Timeline()
     with tl.span("compute"):
         sum(range(10_000))
-    work = tl.track("all_reduce", dist.all_reduce(torch.ones(1000), async_op=True))
+    work = tl.track("all_reduce", dist.all_reduce(torch.ones(1000, device=distlab.device()), async_op=True))
     work.wait()
     time.sleep(0.01)  # let the completion callback run
-    return tl.spans
+    return tl.finish()
 
 
 def test_timeline_records_compute_and_async_comm(no_orphans):
@@ -143,8 +143,8 @@ def _fsdp_memory():
     with track_memory() as mem:
         model = build_model("tiny")
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=distlab.mesh())
+        fully_shard(model, mesh=distlab.mesh())
         built = mem.current_bytes
         x, y = split_batch(synthetic_batch(0, 8, model.config), distlab.rank(), distlab.world_size())
         lm_loss(model, x, y).backward()
@@ -161,10 +161,10 @@ def test_memory_tracks_fsdp2_dtensor_params(no_orphans):
 def _untimed_gloo_work():
     from distlab.collectives import all_gather_tensor
     tl = Timeline()
-    inp = torch.ones(10)
-    work = tl.track("all_gather", all_gather_tensor(torch.empty(20), inp, async_op=True))
+    inp = torch.ones(10, device=distlab.device())
+    work = tl.track("all_gather", all_gather_tensor(torch.empty(20, device=distlab.device()), inp, async_op=True))
     work.wait()
-    return tl.spans
+    return tl.finish()
 
 
 def test_timeline_tracks_works_without_a_future(no_orphans):
@@ -175,11 +175,12 @@ def test_timeline_tracks_works_without_a_future(no_orphans):
 def _reduce_scatter_both_ways():
     from distlab.collectives import reduce_scatter_tensor
     n, r = distlab.world_size(), distlab.rank()
-    inp = torch.arange(6 * n, dtype=torch.float32).view(2 * n, 3) * (r + 1)
-    out = torch.empty(2, 3)
+    inp = torch.arange(6 * n, dtype=torch.float32, device=distlab.device()).view(2 * n, 3) * (r + 1)
+    out = torch.empty(2, 3, device=distlab.device())
     with track_comm() as comm:
         reduce_scatter_tensor(out, inp)
-    expected = torch.arange(6 * n, dtype=torch.float32).view(2 * n, 3)[2 * r:2 * r + 2] * sum(range(1, n + 1))
+    expected = torch.arange(6 * n, dtype=torch.float32, device=out.device).view(2 * n, 3)[2 * r:2 * r + 2]
+    expected = expected * sum(range(1, n + 1))
     return torch.equal(out, expected), comm.stats()
 
 

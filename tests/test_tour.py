@@ -31,7 +31,12 @@ def test_tour_quick_without_notebooks(tmp_path, no_orphans):
         assert r["seconds"] > 0
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
     assert (tmp_path / "collectives_busbw.png").stat().st_size > 1000
-    assert "## Launcher" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "## Chapter 0 — Launching ranks" in report and "## Chapter 1 — Collectives" in report
+    assert "| message | all_gather busbw GB/s |" in report
+    page = (tmp_path / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "<table>" in page and 'src="collectives_busbw.png"' in page
+    assert "WARNING" not in out.stderr and "without encryption" not in out.stderr
 
 
 def test_memory_vs_n_figure_needs_several_world_sizes():
@@ -53,3 +58,23 @@ def test_figures_accept_a_prediction_given_as_a_total(tmp_path):
     made = _figures({"machine": {"backend": "gloo"}, "strategies": [rec]}, tmp_path)
     assert made == ["strategies_memory.png", "strategies_throughput.png"]
     assert all((tmp_path / f).stat().st_size > 1000 for f in made)
+
+
+def test_report_pairs_measured_with_theory_and_quotes_races():
+    from distlab.report import build
+    summary = {"machine": {"device_count": 1, "device_kind": "cpu", "backend": "gloo", "torch_version": "x",
+                           "cpu_count": 2, "cpu_capability": "AVX2", "cpu_native_bf16": False, "bf16_over_fp32": 50.0},
+               "mode": "quick",
+               "strategies": [{"name": "zero1", "world_size": 2, "backend": "gloo", "recipe": "mixed",
+                               "model_state_bytes": {"params": 2 * 2**20, "optimizer_state": 6 * 2**20},
+                               "predicted_model_state_bytes": 8 * 2**20, "comm_bytes_per_step": 1000,
+                               "predicted_comm_bytes_per_step": 1000, "samples_per_s": 10.0}],
+               "races": [{"name": "zero1", "baseline": "torch DDP", "ratio": 0.97, "spread_lo": 0.9,
+                          "spread_hi": 1.02, "repeats": 9, "world_size": 2}],
+               "tp": [{"name": "tp", "world_size": 2, "comm_bytes": 10.0, "predicted_comm_bytes": 10.0}]}
+    text = build(summary, []).markdown()
+    assert "Model states per rank matched theory within 0.00% in every one" in text
+    assert "| zero1 | 2 | gloo | 0.000954 | 0.000954 | 1.0000x | 8 | 8 | 1.0000x |" in text
+    assert "zero1 ran at 0.97x torch DDP (middle half of 9 alternated repeats: 0.90–1.02x; N=2)." in text
+    assert "## tp" in text and "1.0000x" in text.split("## tp")[1]
+    assert "no native bf16 (a bf16 matmul took 50x fp32)" in text

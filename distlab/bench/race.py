@@ -68,6 +68,15 @@ class RaceResult:
         lo, hi = self.spread(name, baseline)
         return f"{self.ratio(name, baseline):.2f}x {baseline} (middle half of {self.repeats} repeats: {lo:.2f}-{hi:.2f}x)"
 
+    def record(self, name: str, baseline: str, **fields: object) -> dict:
+        """Write the ratio of `name` to `baseline` as a `races` record for the tour's report
+        (call it in the notebook, on the result a rank returned)."""
+        from distlab.results import record
+        lo, hi = self.spread(name, baseline)
+        return record("races", name=name, baseline=baseline, ratio=self.ratio(name, baseline), spread_lo=lo,
+                      spread_hi=hi, repeats=self.repeats, budget_hit=self.budget_hit,
+                      seconds=self.median(name), baseline_seconds=self.median(baseline), **fields)
+
 
 def timed(fn: Callable[[], Any], device: Any = None) -> float:
     """Seconds for one call of `fn`, barrier and device sync before, device sync after; slowest rank's."""

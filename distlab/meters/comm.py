@@ -103,6 +103,12 @@ def _sent_bytes(op: str, kind: str, args: tuple, n: int, me: int) -> int:
     return 0  # recv, barrier
 
 
+def _own_dispatch(t: type) -> bool:
+    """A DTensor: it turns an op into local ops and collectives of its own."""
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, type) and issubclass(t, DTensor)
+
+
 class _CommMeter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -110,6 +116,10 @@ class _CommMeter(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(_own_dispatch(t) for t in types):
+            # A tensor subclass (DTensor) runs first: the collectives it issues inside the op
+            # (an implicit redistribute) then reach this mode, as in torch's CommDebugMode.
+            return NotImplemented
         kwargs = kwargs or {}
         ns, name = func.namespace, func.__name__.split(".")[0]
         if ns == "c10d" and name in _C10D_KINDS:

@@ -35,59 +35,28 @@ class Span:
 
 
 class Timeline:
-    """Collects spans on one rank. Picklable: return `timeline.spans` from a rank."""
+    """Collects spans on one rank. Picklable: return `timeline.finish()` (a list of spans) from a rank.
+
+    On CUDA no span syncs the device (a device-wide sync would fold the
+    communication into the compute span it overlaps): spans are CUDA event
+    pairs on the current stream, turned into times by `finish()`, on the
+    wall clock of a reference event recorded when the timeline started.
+    """
 
     def __init__(self, rank: int | None = None, device: Any = None) -> None:
         from distlab.runtime import rank as current_rank
         self.rank = current_rank() if rank is None else rank
         self.device = device
         self.spans: list[Span] = []
-        self._pending: list[Any] = []   # CUDA: (name, start event, wall clock at start)
-        self._events: list[Any] = []    # CUDA: (name, start event, end event)
+        self._events: list[Any] = []    # CUDA: (name, kind, start event, end event or None)
+        self._origin: Any = None        # CUDA: (reference event, wall clock at that event)
 
     def add(self, name: str, kind: str, start: float, end: float) -> None:
         if kind not in ("compute", "comm"):
             raise ValueError(f"kind must be 'compute' or 'comm', got {kind!r}")
         self.spans.append(Span(self.rank, name, kind, start, end))
 
-    @contextmanager
-    def span(self, name: str, kind: str = "compute") -> Iterator[None]:
-        """Time a blocking region (synchronised on CUDA)."""
-        sync(self.device)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            sync(self.device)
-            self.add(name, kind, start, time.perf_counter())
-
-    def track(self, name: str, work: Any) -> Any:
-        """Record an async collective from now until its `Work` completes.
-
-        On CUDA: from an event recorded now to one recorded, on the current
-        stream, after the stream waits for the work (in the returned object's
-        `wait()`); call `finish()` before reading `spans`.
-
-        Where the backend offers a future, its callback stamps the end on the
-        thread that completes the work, so waiting later does not stretch the
-        span. gloo's all_gather_single / reduce_scatter_single works have no
-        future (torch 2.13): then the end is stamped when `wait()` returns, an
-        upper bound. Use the returned object in place of `work`.
-        """
-        if self._cuda():
-            import torch
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            self._pending.append((name, begin, time.perf_counter()))
-            return _StampOnWait(work, lambda: self._cuda_end(name, begin))
-        start = time.perf_counter()
-        try:
-            future = work.get_future()
-        except RuntimeError:
-            return _StampOnWait(work, lambda: self.add(name, "comm", start, time.perf_counter()))
-        future.add_done_callback(lambda _f: self.add(name, "comm", start, time.perf_counter()))
-        return work
-
+    # -- CUDA events ------------------------------------------------------------------------------
     def _cuda(self) -> bool:
         import torch
         dev = self.device
@@ -96,24 +65,69 @@ class Timeline:
             dev = rank_device()
         return torch.device(dev).type == "cuda"
 
-    def _cuda_end(self, name: str, begin: Any) -> None:
+    def _event(self) -> Any:
         import torch
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()  # after wait(): the current stream now depends on the collective
-        self._events.append((name, begin, end))
+        if self._origin is None:
+            sync(self.device)
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            self._origin = (ref, time.perf_counter())
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
-    def finish(self) -> list["Span"]:
-        """On CUDA, turn recorded event pairs into spans (synchronises); return `spans`."""
+    def finish(self) -> list[Span]:
+        """On CUDA, wait for the device and turn recorded event pairs into spans; return `spans`."""
         if self._events:
-            import torch
-            torch.cuda.synchronize()
-            for name, begin, end in self._events:
-                wall = next((w for n, b, w in self._pending if b is begin), None)
-                if wall is not None:
-                    self.add(name, "comm", wall, wall + begin.elapsed_time(end) / 1e3)
+            sync(self.device)
+            ref, wall = self._origin
+            for name, kind, begin, end in self._events:
+                if end is not None:
+                    self.add(name, kind, wall + ref.elapsed_time(begin) / 1e3, wall + ref.elapsed_time(end) / 1e3)
             self._events.clear()
-            self._pending.clear()
         return self.spans
+
+    # -- recording ---------------------------------------------------------------------------------
+    @contextmanager
+    def span(self, name: str, kind: str = "compute") -> Iterator[None]:
+        """Time a region: wall clock on CPU; CUDA events on the current stream on a GPU."""
+        if self._cuda():
+            entry = [name, kind, self._event(), None]
+            try:
+                yield
+            finally:
+                entry[3] = self._event()
+                self._events.append(tuple(entry))
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, kind, start, time.perf_counter())
+
+    def track(self, name: str, work: Any) -> Any:
+        """Record an async collective from now until its `Work` completes; use the returned object
+        in place of `work`.
+
+        CPU (gloo): the collective runs on gloo's thread; where the backend
+        offers a future, its callback stamps the end when the bytes have
+        moved, so waiting later does not stretch the span. gloo's
+        all_gather_single / reduce_scatter_single works have no future (torch
+        2.13): then the end is stamped when `wait()` returns, an upper bound.
+        CUDA (NCCL): the work completes when queued, so the span runs from an
+        event recorded now to one recorded on the current stream right after
+        it waits for the collective (an upper bound too); `finish()` reads it.
+        """
+        if self._cuda():
+            begin = self._event()
+            return _StampOnWait(work, lambda: self._events.append((name, "comm", begin, self._event())))
+        start = time.perf_counter()
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            return _StampOnWait(work, lambda: self.add(name, "comm", start, time.perf_counter()))
+        future.add_done_callback(lambda _f: self.add(name, "comm", start, time.perf_counter()))
+        return work
 
 
 class _StampOnWait:

@@ -1,0 +1,142 @@
+"""A learner's first session, in a real browser: JupyterLab + headless Chromium (Debian's), driven by selenium.
+
+It opens notebook 00 and runs every cell (ranks launch from the browser's kernel), then a
+notebook with the ZeRO memory calculator, and asserts that the cells ran without an error and
+that the calculator renders as a widget (sliders and its table), not as `VBox(children=...)`.
+
+Needs `chromium` and `chromedriver` (Debian packages `chromium`, `chromium-driver`; .ci/run
+installs them) and selenium (a dev dependency). Without them the test is skipped, unless
+DISTLAB_REQUIRE_BROWSER=1 (CI) makes that a failure.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+REQUIRED = os.environ.get("DISTLAB_REQUIRE_BROWSER") == "1"
+
+
+def _missing() -> str:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed"
+    if not CHROMIUM or not DRIVER:
+        return "chromium/chromedriver not found (apt-get install chromium chromium-driver)"
+    return ""
+
+
+if _missing():
+    if REQUIRED:
+        raise RuntimeError(f"DISTLAB_REQUIRE_BROWSER=1 but {_missing()}")
+    pytest.skip(_missing(), allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a private folder holding notebook 00 and a calculator notebook."""
+    folder = tmp_path_factory.mktemp("lab")
+    shutil.copy(ROOT / "notebooks" / "00_launching.ipynb", folder / "00_launching.ipynb")
+    calc = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from distlab.widgets import memory_calculator\nmemory_calculator()")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(calc, folder / "calculator.ipynb")
+    port, token = _free_port(), uuid.uuid4().hex
+    env = dict(os.environ, DISTLAB_QUICK="1", JUPYTER_CONFIG_DIR=str(folder / ".jupyter"))
+    env.pop("PYTEST_CURRENT_TEST", None)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={folder}", "--LabApp.expose_app_in_browser=True",
+         "--ServerApp.disable_check_xsrf=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise RuntimeError("jupyter lab exited before it served a page")
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", token
+    finally:
+        from distlab.procs import kill_tree
+        kill_tree([server.pid], grace_s=10)   # the server, its kernels and their ranks
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver.set_script_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _open_and_run_all(driver, base: str, token: str, name: str, timeout: float = 600) -> None:
+    """Open a notebook, run all its cells through JupyterLab's own command, wait until every cell ran."""
+    from selenium.webdriver.support.ui import WebDriverWait
+    driver.get(f"{base}/lab/tree/{name}?token={token}")
+    WebDriverWait(driver, 120).until(lambda d: d.execute_script(
+        "const a = window.jupyterapp; const w = a && a.shell.currentWidget;"
+        "return !!(w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
+        " && w.sessionContext.session.kernel.status === 'idle');"))
+    driver.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells');")
+    # Done when no prompt shows [*] and every code cell has an execution count.
+    WebDriverWait(driver, timeout, poll_frequency=1).until(lambda d: d.execute_script(
+        "const w = window.jupyterapp.shell.currentWidget; const cells = w.content.widgets;"
+        "const code = cells.filter(c => c.model.type === 'code');"
+        "return code.length > 0 && code.every(c => c.model.executionCount !== null)"
+        " && w.sessionContext.session.kernel.status === 'idle';"))
+
+
+def _errors(driver) -> list[str]:
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]'))"
+        ".map(e => e.innerText).filter(t => /Traceback|Error/.test(t));")
+
+
+def test_notebook_00_runs_in_a_browser(lab, browser):
+    base, token = lab
+    _open_and_run_all(browser, base, token, "00_launching.ipynb")
+    text = browser.execute_script("return document.querySelector('.jp-Notebook').innerText;")
+    assert "[rank 0]" in text, text[-3000:]            # ranks launched from the browser's kernel replied
+    assert not browser.find_elements("css selector", ".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
+
+
+def test_calculator_renders_as_a_widget(lab, browser):
+    base, token = lab
+    _open_and_run_all(browser, base, token, "calculator.ipynb", timeout=180)
+    from selenium.webdriver.support.ui import WebDriverWait
+    WebDriverWait(browser, 60).until(lambda d: d.find_elements("css selector", ".widget-slider"))
+    sliders = browser.find_elements("css selector", ".widget-slider")
+    assert len(sliders) >= 3
+    text = browser.execute_script("return document.querySelector('.jp-Notebook').innerText;")
+    assert "VBox(children" not in text
+    assert "per device (GB)" in text and "ZeRO-3 / FSDP" in text
