@@ -154,8 +154,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     def where(f: Any) -> str:
         return f.f_code.co_filename + " line " + _str(f.f_lineno)
 
-    def look() -> tuple[Any, str, str]:
-        """(code that raised the event, where learner code is on the stack, where learner code caused it).
+    def look() -> tuple[Any, bool, str, str]:
+        """(code that raised the event, whether it is the learner's, where learner code is on the stack,
+        where learner code caused it).
 
         Reading frames raises audit events itself: `busy` makes the hook ignore those, and
         nothing here can run learner code.
@@ -164,9 +165,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         try:
             f = getframe(2)
             if f is None:
-                return None, "", ""
+                return None, False, "", ""
             anywhere, cause = first_learner(f), initiator(f)
-            return f.f_code, where(anywhere) if anywhere else "", where(cause) if cause else ""
+            return f.f_code, learner(f.f_code), where(anywhere) if anywhere else "", where(cause) if cause else ""
         finally:
             busy[0] = False
 
@@ -263,7 +264,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         distlab_event = startswith(ev, "distlab.")
         if not distlab_event and ev not in WATCH and not startswith(ev, PREFIXES):
             return
-        code, anywhere, cause = look()
+        code, direct, anywhere, cause = look()
         if distlab_event:
             on_distlab(ev, args, code, anywhere)
             return
@@ -279,13 +280,16 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             return
         if not cause:
             return
+        if ev in ("os.listdir", "os.scandir") and args and _type(args[0]) is _str and startswith(
+                args[0], libs) and "/.." not in args[0]:
+            return    # the import system lists library folders
         if ev == "import" and not (args and _type(args[0]) is _str and args[0].split(".")[0] in WATCHED_IMPORTS):
             return
         if ev == "object.__getattr__" and not (_len(args) > 1 and args[1] in FRAME_ATTRS):
             return
-        if ev in ("compile", "exec"):
+        if ev in ("compile", "exec"):   # imports compile and run library files: only direct calls count
             name = args[1] if ev == "compile" and _len(args) > 1 else _getattr(args[0], "co_filename", "")
-            if not (_type(name) is _str and startswith(name, libs)):
+            if not (direct and _type(name) is _str and startswith(name, libs)):
                 return
             send("ev", ev, "code under a library file name: " + safe(name), cause)
             return

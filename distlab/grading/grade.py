@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ class Verdict:
     points: float
     max_points: float
     reason: str = ""          # one line, empty when passed
+    judged: str = ""          # the task's own verdict line, before any audit zeroed it
 
 
 @dataclass
@@ -118,6 +120,21 @@ def _b64(text: Any) -> bytes:
         return b""
 
 
+def summarize(seen: list[str], limit: int = 8) -> list[str]:
+    """Evidence lines once each, with the ranks that showed them ('rank 0: x', 'rank 1: x' -> 'x (ranks 0, 1)');
+    process ids in /proc paths do not make lines distinct."""
+    ranks: dict[str, list[str]] = {}
+    for item in seen:
+        who, _, what = item.partition(": ") if item.startswith("rank ") else ("", "", item)
+        what = re.sub(r"/proc/\d+/", "/proc/<pid>/", what)
+        ranks.setdefault(what, [])
+        if who and who[5:] not in ranks[what]:
+            ranks[what].append(who[5:])
+    out = [what + (f" [rank {', '.join(r)}]" if len(r) == 1 else f" [ranks {', '.join(r)}]" if r else "")
+           for what, r in ranks.items()]
+    return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
+
+
 def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], failure: str = "") -> list[Line]:
     """The verdict lines of one case, judged here from the runner's record (like `run_task`)."""
     try:
@@ -143,14 +160,14 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], lis
         task, cases, seen = graded.task, graded.task.cases(), []
         lines = [line for i in graded.cases
                  for line in judge_case(task, cases[i], records.get((task.name, i)), seen, outcome.failure)]
-        seen = list(dict.fromkeys(seen))
+        seen = summarize(seen)
         flags += [f"{task.name}: {s}" for s in seen]
         for line in lines:
             if seen:
-                verdicts.append(Verdict(line.name, 0, task.points, one_line(f"audit: {seen[0]}")))
+                verdicts.append(Verdict(line.name, 0, task.points, one_line(f"audit: {seen[0]}"), str(line)))
             else:
                 verdicts.append(Verdict(line.name, task.points if line.ok else 0, task.points,
-                                        "" if line.ok else one_line(line.detail or "failed")))
+                                        "" if line.ok else one_line(line.detail or "failed"), str(line)))
     return verdicts, flags
 
 

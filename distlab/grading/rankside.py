@@ -130,6 +130,9 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         audit("distlab.finish", sha256(data).hexdigest())
         return data
 
+    module = lab_module(lab)      # imported before the hook's snapshot, so its classes are watched too
+    task = module.TASKS[task_name]
+    case = task.cases()[case_index]
     region = _region_methods()
     audithook.install(stream_paths[dist.get_rank()], {
         "distlab.pg.op": pgmeter.MeteredGroup._op.__code__,
@@ -141,9 +144,6 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
     }, snapshot_modules=tuple(sorted(m for m in sys.modules if m.startswith("distlab.")
                                      or m in ("torch.distributed", "torch.distributed.distributed_c10d"))))
     _metered_group(timeout_s)
-    module = lab_module(lab)
-    task = module.TASKS[task_name]
-    case = task.cases()[case_index]
     audit("distlab.checkpoint", "snapshot")
     ns, errors = _exec_cells(module.PRELUDE, f"{module.__file__}#PRELUDE", cells)
     audit("distlab.checkpoint", "after your answer cells ran")

@@ -115,12 +115,36 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     return record
 
 
+class _Capped:
+    """stdout/stderr of the runner (its log): ranks' output is replayed here, so keep only the first MiB."""
+
+    def __init__(self, stream: Any, limit: int = 1 << 20) -> None:
+        self.stream, self.left = stream, limit
+
+    def write(self, text: str) -> int:
+        if self.left > 0:
+            piece = text[: self.left]
+            self.left -= len(piece)
+            try:
+                self.stream.write(piece if self.left > 0 else piece + "\n[... log truncated]\n")
+            except OSError:
+                self.left = 0
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlab.grading.runner")
     ap.add_argument("--result-fd", type=int, required=True)
     ap.add_argument("--secret-fd", type=int, required=True)
     args = ap.parse_args(argv)
     _no_dump()
+    sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)
     procs.become_subreaper()   # without a sandbox, a rank's orphans come back here to be stopped
     with os.fdopen(args.secret_fd, "rb") as f:
         secret = f.read(64)

@@ -174,14 +174,20 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
     out.records = [json.loads(r) for r in stream.records]
     done = bool(out.records) and out.records[-1].get("kind") == "done"
     if not out.failure and (code != 0 or not done):
-        why = f"exited with code {code}" if code else "exited early" if code == 0 else "did not exit"
-        if code is not None and code < 0:
-            why = f"was killed by signal {signal.Signals(-code).name}"
-        out.failure = f"the grading runner {why} before it finished: a rank may have killed it"
+        out.failure = f"the grading runner {_exit_words(code)} before it finished: a rank may have killed it"
     if stream.problem and not out.failure:
         out.failure = f"the results did not verify ({stream.problem}): not graded"
     out.seconds = time.monotonic() - start
     return out
+
+
+def _exit_words(code: int | None) -> str:
+    """'was killed by SIGKILL' for -9 (a direct child) or 137 (bwrap reports its child's signal so)."""
+    sig = -code if code is not None and code < 0 else code - 128 if code is not None and 128 < code < 160 else 0
+    try:
+        return f"was killed by {signal.Signals(sig).name}" if sig else f"exited with code {code}"
+    except ValueError:
+        return f"exited with code {code}"
 
 
 def _pump(fd: int, into: bytearray, secret: bytes, on_record: Callable[[dict], None] | None) -> None:

@@ -82,7 +82,7 @@ def answers(lab: ShippedLab, cells: list[dict]) -> tuple[list[tuple[str, str]], 
         if cell is None and same_shape:
             cell = tagged[k]
         if cell is None:
-            cell = next((c for c in code if set(defined_names(c["source"])) & set(names)), None)
+            cell = next((c for c in code if set(defined_names(without_magics(c["source"]))) & set(names)), None)
         if cell is None:
             notes.append(f"no answer cell for {', '.join(names) or cid}")
             continue
