@@ -57,7 +57,8 @@ def sandbox_for(no_sandbox: bool, say: Any = print) -> list[str] | None:
 
 def run(args: Any) -> int:
     from distlab.checks.task import CHECK_STALL_S
-    from distlab.grading.grade import Options, grade, prepare
+    from distlab.grading.classrun import grade
+    from distlab.grading.grade import Options, prepare
     from distlab.grading.lab import resolve_lab
     from distlab.grading.report import markdown
     err = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731

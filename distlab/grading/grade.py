@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import re
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -171,89 +171,59 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], lis
     return verdicts, flags
 
 
+def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts: Options
+                ) -> tuple[list[Verdict], list[str], str]:
+    """Run one set of answer cells in a runner and judge it: (verdicts, audit flags, runner failure)."""
+    job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
+           "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
+           "cap_s": opts.case_cap_s, "backend": opts.backend}
+    if opts.keep:
+        log = Path(opts.keep) / f"{Path(name).stem}.runner.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        handle, raw = tempfile.mkstemp(prefix="distlab-runner-", suffix=".log")
+        os.close(handle)
+        log = Path(raw)
+    on_record = None
+    if opts.progress is not None:
+        total, count = sum(len(g.cases) for g in lab.graded), [0]
+
+        def on_record(rec: dict) -> None:
+            if rec.get("kind") == "case":
+                count[0] += 1
+                ok = rec.get("status") == "ok"
+                opts.progress(f"[{count[0]}/{total}] {rec.get('task')}, {rec.get('world_size')} ranks: "
+                              + ("ran" if ok else one_line(rec.get("reason", ""), 120)))
+    try:
+        outcome = sandbox.run(job, sandbox=opts.sandbox, cap_s=opts.submission_cap_s, log=log, on_record=on_record)
+    finally:
+        if not opts.keep:
+            log.unlink(missing_ok=True)
+    verdicts, flags = judge(lab, outcome)
+    return verdicts, flags, outcome.failure
+
+
+def failed(lab: ShippedLab, name: str, note: str) -> Result:
+    """A submission that could not be graded: every line 0 with `note` as its reason."""
+    return Result(name, [Verdict(line, 0, g.task.points, one_line(note)) for g in lab.graded for line in g.lines],
+                  note=one_line(note))
+
+
+def read_answers(lab: ShippedLab, path: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """A submission's answer cells and notes on missing ones; BadSubmission when it is not a notebook."""
+    return submission.answers(lab, submission.read(path))
+
+
 def grade_one(lab: ShippedLab, path: Path, name: str, opts: Options) -> Result:
     """One submission, start to end; never raises (a failure is the Result's note)."""
     start = time.monotonic()
-    res = Result(name)
-    all_lines = [(line, g.task.points) for g in lab.graded for line in g.lines]
     try:
-        answers, missing = submission.answers(lab, submission.read(path))
-        job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
-               "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
-               "cap_s": opts.case_cap_s, "backend": opts.backend}
-        log = (Path(opts.keep) / f"{Path(name).stem}.runner.log") if opts.keep else \
-            Path(tempfile.mkstemp(prefix="distlab-runner-", suffix=".log")[1])
-        log.parent.mkdir(parents=True, exist_ok=True)
-        on_record = None
-        if opts.progress is not None:
-            total = sum(len(g.cases) for g in lab.graded)
-            count = [0]
-
-            def on_record(rec: dict) -> None:
-                if rec.get("kind") == "case":
-                    count[0] += 1
-                    ok = rec.get("status") == "ok"
-                    opts.progress(f"[{count[0]}/{total}] {rec.get('task')}, {rec.get('world_size')} ranks: "
-                                  + ("ran" if ok else one_line(rec.get("reason", ""), 120)))
-        outcome = sandbox.run(job, sandbox=opts.sandbox, cap_s=opts.submission_cap_s, log=log, on_record=on_record)
-        if not opts.keep:
-            log.unlink(missing_ok=True)
-        res.verdicts, res.flags = judge(lab, outcome)
-        res.note = one_line("; ".join(missing + ([outcome.failure] if outcome.failure else [])))
+        answers, missing = read_answers(lab, path)
+        verdicts, flags, failure = run_answers(lab, answers, name, opts)
+        res = Result(name, verdicts, one_line("; ".join(missing + ([failure] if failure else []))), flags)
     except submission.BadSubmission as exc:
-        res.note = str(exc)
-        res.verdicts = [Verdict(line, 0, pts, one_line(exc)) for line, pts in all_lines]
+        res = failed(lab, name, str(exc))
     except Exception as exc:  # noqa: BLE001 - one broken submission never stops the class
-        res.note = one_line(f"internal error while grading ({type(exc).__name__}: {exc}); please report it")
-        res.verdicts = [Verdict(line, 0, pts, res.note) for line, pts in all_lines]
+        res = failed(lab, name, f"internal error while grading ({type(exc).__name__}: {exc}); please report it")
     res.seconds = time.monotonic() - start
     return res
-
-
-def display_name(path: Path) -> str:
-    """The path relative to the current folder when under it, else as given."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def expand(submissions: list[Path]) -> list[tuple[Path, str]]:
-    """(path, name in the report): files as given; folders -> their .ipynb files (checkpoints skipped)."""
-    out = []
-    for p in map(Path, submissions):
-        if p.is_dir():
-            for q in sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts):
-                out.append((q, str(Path(p.resolve().name) / q.relative_to(p))))
-        else:
-            out.append((p, display_name(p)))
-    return out
-
-
-def grade(lab: str | Path | ShippedLab, submissions: list[Path], *, out: Path | None = None, jobs: int = 1,
-          only: list[str] | None = None, opts: Options | None = None,
-          echo: Callable[[str], None] | None = None) -> list[Result]:
-    """Grade every submission (`jobs` at a time, in order in the report); write reports to `out`."""
-    from distlab.grading.report import write_reports
-    the_lab = lab if isinstance(lab, ShippedLab) else prepare(lab, only)
-    opts = opts or Options()
-    paths = expand(submissions)
-
-    def one(item: tuple[Path, str]) -> Result:
-        r = grade_one(the_lab, item[0], item[1], opts)
-        if echo is not None:
-            echo(f"{r.submission}: {r.score:g}/{r.max_score:g} in {r.seconds:.0f} s" + (f"  ({r.note})" if r.note
-                                                                                         else ""))
-        return r
-
-    results: list[Result] = []
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            results = list(pool.map(one, paths))
-    finally:
-        if out is not None:
-            graded = {r.submission for r in results}
-            missing = [Result(name, note="not graded: the run was interrupted") for _, name in paths
-                       if name not in graded]
-            write_reports(results + missing, Path(out), lab=the_lab.name)
-    return results

@@ -97,6 +97,7 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
     from distlab.checks import lab_module
     from distlab.meters.comm import CommStats, _CommMeter  # noqa: F401 - imported before learner code
 
+    from torch import Tensor
     audit, dumps, sha256, _type, _dict, _list, _tuple = (sys.audit, pickle.dumps, hashlib.sha256, type, dict,
                                                          list, tuple)
 
@@ -115,6 +116,10 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         t = _type(x)
         if t is CommStats:
             return {REGION_KEY: refs.get(id(x), -1)}
+        if t is Tensor:      # a plain CPU copy: no CUDA storage, no attributes a meter or audit attached
+            copy = x.detach().cpu().clone()
+            copy.__dict__.clear()
+            return copy
         if depth < 20 and t is _dict:
             return {k: swap(v, refs, depth + 1) for k, v in x.items()}
         if depth < 20 and (t is _list or t is _tuple):

@@ -39,6 +39,47 @@ _STARTED = time.monotonic()
 MAX_STREAM = 8 << 20     # bytes of audit events kept per rank and case
 
 
+def _fork_server(close: tuple[int, ...]) -> None:
+    """Start multiprocessing's fork server as a fork of this process, before any secret is read.
+
+    `distlab.launch` starts ranks from a fork server that imported torch once.
+    The usual one is a fresh interpreter importing everything again (~7 s of
+    CPU here); this process has already imported it all, so the server is
+    forked from it instead. It happens before the secret is read, and the
+    child closes the result and secret descriptors (`close`) first: ranks,
+    forked from that child, inherit neither.
+    """
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server = forkserver._forkserver
+    resource_tracker.ensure_running()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(alive_w)
+            for fd in close:
+                os.close(fd)
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit:
+            pass
+        except BaseException:  # noqa: BLE001 - the server's end; the launches report it
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
 def _no_dump() -> None:
     """prctl(PR_SET_DUMPABLE, 0): /proc/<this>/mem, fd, environ and ptrace closed to the ranks."""
     try:
@@ -143,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result-fd", type=int, required=True)
     ap.add_argument("--secret-fd", type=int, required=True)
     args = ap.parse_args(argv)
+    from distlab.launch import _PRELOAD
+    for name in (*_PRELOAD, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
+        __import__(name)
+    _fork_server((args.result_fd, args.secret_fd, 0))
     _no_dump()
     sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)
     procs.become_subreaper()   # without a sandbox, a rank's orphans come back here to be stopped
