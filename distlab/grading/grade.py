@@ -71,7 +71,7 @@ class Options:
     progress: Callable[[str], None] | None = None
 
 
-def one_line(text: Any, limit: int = 240) -> str:
+def one_line(text: Any, limit: int = 400) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 

@@ -132,7 +132,7 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
     secret = new_key()
     res_r, res_w = os.pipe()
     sec_r, sec_w = os.pipe()
-    cmd = [sys.executable, "-I", "-m", "distlab.grading.runner", "--result-fd", str(res_w),
+    cmd = [sys.executable, "-I", "-B", "-m", "distlab.grading.runner", "--result-fd", str(res_w),
            "--secret-fd", str(sec_r)]
     workdir = None
     if sandbox is not None:
