@@ -71,8 +71,9 @@ def test_chapter1_class_scores(class_run):
                                             "(after your answer cells ran) [ranks 0, 1, 2, 3]"] or \
         all("rebound torch.distributed.all_reduce" in f for f in got["rank_side_patch"].flags)
     assert all(r.startswith("not a notebook: invalid JSON") for r in reasons["invalid_json"])
-    assert got["tampered_check"].note == "same answer cells as class/wrong.ipynb (graded once)"
-    assert got["deleted_check"].note == "same answer cells as class/partial.ipynb (graded once)"
+    # check cells are never read: these hand in the same answer cells as `wrong` and `partial`, graded once
+    assert got["wrong"].note == "same answer cells as class/tampered_check.ipynb (graded once)"
+    assert got["partial"].note == "same answer cells as class/deleted_check.ipynb (graded once)"
     assert not got["correct"].flags and not got["partial"].flags and not got["not_started"].flags
 
 

@@ -6,8 +6,11 @@
 Each submission is the lab's solution with a different comment in one answer
 cell (so none is graded as a copy of another): every case of every task
 runs, the most work a submission can cost. References are computed once
-before the clock starts, as in a class run. The machine's load average is
-printed with the figures: on a busy machine they mean little.
+before the clock starts, as in a class run. Besides wall seconds it reports
+the CPU seconds a submission's sandbox used (runner, fork server, ranks):
+that figure barely depends on the load, so on an idle machine with C cores
+a class takes at least CPU s x submissions / C. The load average is printed
+with the figures: on a busy machine the wall seconds mean little.
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ def submissions(lab: str, count: int, folder: Path) -> Path:
     return target
 
 
-def measure(lab: str, count: int, jobs: int, sandbox: list[str] | None) -> tuple[float, float]:
-    """(seconds per submission, score of the first one as a fraction of full marks)."""
+def measure(lab: str, count: int, jobs: int, sandbox: list[str] | None) -> tuple[float, float, float]:
+    """(wall seconds per submission, CPU seconds per submission, the first one's fraction of full marks)."""
     from distlab.grading.classrun import grade
     from distlab.grading.grade import Options, prepare
     the_lab = prepare(lab)
@@ -66,7 +69,8 @@ def measure(lab: str, count: int, jobs: int, sandbox: list[str] | None) -> tuple
         start = time.monotonic()
         results = grade(the_lab, [folder], jobs=jobs, opts=Options(sandbox=sandbox))
         took = time.monotonic() - start
-    return took / count, results[0].score / max(results[0].max_score, 1)
+    cpu = sum(r.cpu_s for r in results) / count
+    return took / count, cpu, results[0].score / max(results[0].max_score, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     box = sandbox_for(args.no_sandbox, lambda text: print(text, file=sys.stderr))
     print(f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start; "
           f"{args.count} submissions per row, {'in bubblewrap' if box else 'without a sandbox'}", flush=True)
-    print("| lab | " + " | ".join(f"--jobs {j}: s per submission" for j in args.jobs) + " | solution's score |")
-    print("|---|" + "---|" * (len(args.jobs) + 1), flush=True)
+    print("| lab | " + " | ".join(f"--jobs {j}: s per submission" for j in args.jobs)
+          + " | CPU s per submission | solution's score |")
+    print("|---|" + "---|" * (len(args.jobs) + 2), flush=True)
     for lab in args.labs or labs_with_modules():
-        cells, score = [], 0.0
+        cells, cpus, score = [], [], 0.0
         for jobs in args.jobs:
-            per, score = measure(lab, args.count, jobs, box)
+            per, cpu, score = measure(lab, args.count, jobs, box)
             cells.append(f"{per:.1f}")
-        print(f"| {lab} | " + " | ".join(cells) + f" | {score:.0%} |", flush=True)
+            cpus.append(cpu)
+        print(f"| {lab} | " + " | ".join(cells) + f" | {min(cpus):.1f} | {score:.0%} |", flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     return 0
 

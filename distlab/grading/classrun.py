@@ -69,8 +69,9 @@ def grade(lab: str | Path | ShippedLab, submissions: list[Path], *, out: Path | 
         name, answers, notes = item
         start = time.monotonic()
         try:
-            verdicts, flags, failure = run_answers(the_lab, answers, name, opts)
-            res = Result(name, verdicts, one_line("; ".join(notes + ([failure] if failure else []))), flags)
+            verdicts, flags, failure, cpu_s = run_answers(the_lab, answers, name, opts)
+            res = Result(name, verdicts, one_line("; ".join(notes + ([failure] if failure else []))), flags,
+                         cpu_s=cpu_s)
         except Exception as exc:  # noqa: BLE001 - one broken submission never stops the class
             res = failed(the_lab, name, f"internal error while grading ({type(exc).__name__}: {exc}); "
                                         "please report it")

@@ -1,19 +1,15 @@
-"""`distlab grade`: grade a class's lab notebooks; verdicts are computed here, never on a rank.
+"""Grading one submission: its answers run sandboxed; every verdict is computed here.
 
-    distlab grade 01_collectives submissions/ --out grades/
-    distlab grade --self 01_collectives        # a learner, on labs/01_collectives.ipynb
-
-For the lab: read which tasks its check cells grade (`lab.load_lab`) and
-compute every case's reference once, here, with no learner code anywhere
-near it. For each submission: take its answer cells (`submission`), run every
-task's cases in one sandboxed runner (`sandbox`, `runner`), then for each
-case verify the ranks' event streams (`evidence`), unpickle their outputs
-safely (`safeload`), replace their traffic figures by what the audit hook
-booked, and call the task's own `judge` here. Evidence that learner code
-tampered zeroes every line of the task it was seen in, and the report's
-Audit column says what was seen. Every failure of a submission becomes a
-one-line reason; the class run always completes and writes grades.csv,
-grades.md and junit.xml.
+`prepare` reads which tasks the shipped lab grades (`lab.load_lab`) and
+computes every case's reference once, in this process, with no learner code
+anywhere near it. `run_answers` sends a submission's answer cells to a
+runner (`sandbox`, `runner`), then for each case verifies the ranks' event
+streams (`evidence`), unpickles their outputs safely (`safeload`), replaces
+their traffic figures by what the audit hook booked, validates them and calls
+the task's own `judge` here. Evidence that learner code tampered zeroes every
+line of the task it was seen in; the Audit column says what was seen. A
+failure is a one-line reason, never an exception (`grade_one`); the class
+run is `classrun.grade`.
 """
 from __future__ import annotations
 
@@ -50,6 +46,7 @@ class Result:
     note: str = ""            # one line about the whole submission (invalid JSON, runner killed, ...)
     flags: list[str] = field(default_factory=list)     # the Audit column: what was seen
     seconds: float = 0.0
+    cpu_s: float = 0.0        # CPU seconds its sandbox used (runner, fork server, ranks)
 
     @property
     def score(self) -> float:
@@ -172,8 +169,8 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], lis
 
 
 def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts: Options
-                ) -> tuple[list[Verdict], list[str], str]:
-    """Run one set of answer cells in a runner and judge it: (verdicts, audit flags, runner failure)."""
+                ) -> tuple[list[Verdict], list[str], str, float]:
+    """Run one set of answer cells in a runner and judge it: (verdicts, audit flags, runner failure, CPU s)."""
     job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
            "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
            "cap_s": opts.case_cap_s, "backend": opts.backend}
@@ -200,7 +197,7 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
         if not opts.keep:
             log.unlink(missing_ok=True)
     verdicts, flags = judge(lab, outcome)
-    return verdicts, flags, outcome.failure
+    return verdicts, flags, outcome.failure, outcome.cpu_s
 
 
 def failed(lab: ShippedLab, name: str, note: str) -> Result:
@@ -219,8 +216,9 @@ def grade_one(lab: ShippedLab, path: Path, name: str, opts: Options) -> Result:
     start = time.monotonic()
     try:
         answers, missing = read_answers(lab, path)
-        verdicts, flags, failure = run_answers(lab, answers, name, opts)
-        res = Result(name, verdicts, one_line("; ".join(missing + ([failure] if failure else []))), flags)
+        verdicts, flags, failure, cpu_s = run_answers(lab, answers, name, opts)
+        res = Result(name, verdicts, one_line("; ".join(missing + ([failure] if failure else []))), flags,
+                     cpu_s=cpu_s)
     except submission.BadSubmission as exc:
         res = failed(lab, name, str(exc))
     except Exception as exc:  # noqa: BLE001 - one broken submission never stops the class

@@ -220,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 if rec.get("hung"):
                     hung = f"an earlier case ({case.world_size} ranks) hung"
             writer.send(json.dumps(rec).encode())
-    writer.send(json.dumps({"kind": "done"}).encode())
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
+    import resource
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu_s = sum(u.ru_utime + u.ru_stime for u in usage)    # the ranks, reaped by the fork server, included
+    writer.send(json.dumps({"kind": "done", "cpu_s": round(cpu_s, 2)}).encode())
     return 0
 
 

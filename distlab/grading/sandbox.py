@@ -123,6 +123,7 @@ class Outcome:
     records: list[dict] = field(default_factory=list)
     failure: str = ""
     seconds: float = 0.0
+    cpu_s: float = 0.0          # CPU seconds of the runner, its fork server and every rank (when it finished)
 
 
 def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
@@ -173,6 +174,8 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
     stream = read_records(bytes(received), secret)
     out.records = [json.loads(r) for r in stream.records]
     done = bool(out.records) and out.records[-1].get("kind") == "done"
+    if done and isinstance(out.records[-1].get("cpu_s"), (int, float)):
+        out.cpu_s = float(out.records[-1]["cpu_s"])
     if not out.failure and (code != 0 or not done):
         out.failure = f"the grading runner {_exit_words(code)} before it finished: a rank may have killed it"
     if stream.problem and not out.failure:
