@@ -21,6 +21,7 @@ can read whatever the instructor's account can and reach the network.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -34,8 +35,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-
-import json
 
 from distlab import procs
 from distlab.grading.channel import new_key, read_records
@@ -154,11 +153,8 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
         os.close(sec_w)
         reader = threading.Thread(target=_pump, args=(res_r, received, secret, on_record), daemon=True)
         reader.start()
-        try:
-            proc.stdin.write(json.dumps(job).encode())
-            proc.stdin.close()
-        except OSError:
-            pass
+        feeder = threading.Thread(target=_feed, args=(proc, json.dumps(job).encode()), daemon=True)
+        feeder.start()      # a thread: the runner reads its job only after importing torch
         try:
             code = proc.wait(timeout=cap_s)
         except subprocess.TimeoutExpired:
@@ -182,6 +178,14 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
         out.failure = f"the results did not verify ({stream.problem}): not graded"
     out.seconds = time.monotonic() - start
     return out
+
+
+def _feed(proc: subprocess.Popen, data: bytes) -> None:
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except OSError:
+        pass    # the runner died before reading its job: its exit code says why
 
 
 def _exit_words(code: int | None) -> str:
