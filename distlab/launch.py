@@ -176,7 +176,10 @@ def resolve_backend(backend: str, world_size: int) -> str:
 # per launch on a laptop CPU (measured: 2.6 s of a 3 s check). With it, the rest costs 0.1 s more.
 _PRELOAD = ("torch", "torch.distributed", "cloudpickle", "distlab.runtime", "torch._dynamo",
             "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
-            "torch.nn.parallel", "distlab.meters", "distlab.models", "distlab.checks", "distlab.collectives")
+            "torch.nn.parallel", "distlab.meters", "distlab.models", "distlab.checks", "distlab.collectives",
+            # ZeroRedundancyOptimizer: its import scripts functional optimizers with TorchScript, ~1-3 s per
+            # rank per launch (chapter 3 launches it a dozen times)
+            "torch.distributed.optim")
 
 
 def _context() -> Any:

@@ -188,8 +188,16 @@ class ModelState:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor behind a DTensor (FSDP2's sharded parameters)."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    """The plain tensor that holds a tensor's bytes: the rank-local tensor behind a DTensor (FSDP2's
+    sharded parameters, TP's shards), the result inside an AsyncCollectiveTensor (what DTensor's
+    collectives return before they are waited on); other wrappers by their first inner tensor."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    while is_traceable_wrapper_subclass(t):
+        inner = getattr(t, t.__tensor_flatten__()[0][0])
+        if not isinstance(inner, torch.Tensor):
+            break
+        t = inner
+    return t
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:

@@ -17,6 +17,7 @@ Two ways to get them:
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,6 +164,9 @@ def profile_spans(step: Any, *, compute_prefixes: tuple[str, ...] = ("fwd", "bwd
     from distlab.runtime import rank as current_rank
     r = current_rank() if rank is None else rank
     on_cuda = rank_device().type == "cuda"
+    # Kineto prints 'USDT: ... profiler_start/stop' on stderr at every profile unless its log level
+    # is above USDT (5); it reads this when the profiler first starts in the process.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     sync()
     with profile(activities=activities) as prof:
