@@ -184,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result-fd", type=int, required=True)
     ap.add_argument("--secret-fd", type=int, required=True)
     args = ap.parse_args(argv)
+    from distlab.checks import lab_module
     from distlab.launch import _PRELOAD
     for name in (*_PRELOAD, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
         __import__(name)
+    job = json.load(sys.stdin)
+    module = lab_module(job["lab"])        # imported here, the ranks (forked from the fork server) have it too
     _fork_server((args.result_fd, args.secret_fd, 0))
     _no_dump()
     sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)
@@ -194,12 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     with os.fdopen(args.secret_fd, "rb") as f:
         secret = f.read(64)
     os.set_inheritable(args.result_fd, False)
-    job = json.load(sys.stdin)
     print(f"distlab grade: runner up in {time.monotonic() - _STARTED:.1f} s", file=sys.stderr, flush=True)
     writer = Writer(args.result_fd, secret)
     del secret
-    from distlab.checks import lab_module
-    module = lab_module(job["lab"])
     work = tempfile.mkdtemp(prefix="distlab-runner-")
     for name, indices in job["tasks"]:
         task = module.TASKS[name]
