@@ -43,8 +43,9 @@ MAX_FILE_BYTES = 64 << 20           # RLIMIT_FSIZE for everything in the sandbox
 MAX_RESULT_BYTES = 1 << 30          # all records of one submission
 TMP_BYTES = 2 << 30                 # the sandbox's private /tmp and /dev/shm
 TOKEN_VAR = "DISTLAB_GRADE_TOKEN"   # marks processes to stop when running without a sandbox
-_ENV_KEEP = ("DISTLAB_QUICK", "DISTLAB_DEVICE_AUDIT", "DISTLAB_STALL_S", "CUDA_VISIBLE_DEVICES", "LANG",
-             "OMP_NUM_THREADS", "DISTLAB_NATIVE_BF16")
+# Passed into the sandbox: every DISTLAB_* setting (a task's cases may depend on one, and the grader computed
+# the references with the same ones), and these.
+_ENV_KEEP = ("CUDA_VISIBLE_DEVICES", "LANG", "OMP_NUM_THREADS")
 
 
 def bwrap_path() -> str | None:
@@ -93,7 +94,8 @@ def argv(user_ns: bool = True) -> list[str]:
 
 
 def _env(home: str) -> dict[str, str]:
-    env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+    env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or (k.startswith("DISTLAB_") and k != TOKEN_VAR
+                                                                      and k != "DISTLAB_RESULTS")}
     env.update(HOME=home, TMPDIR=home, PATH="/usr/local/bin:/usr/bin:/bin", MPLBACKEND="Agg",
                TORCH_CPP_LOG_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=home)
     return env
