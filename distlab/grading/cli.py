@@ -32,6 +32,8 @@ def add_parser(sub: Any) -> Any:
                    help="backend of the graded ranks (default gloo: CPU, what every check is validated on)")
     g.add_argument("--stall", type=float, default=None, metavar="S",
                    help="seconds a case's ranks may all wait without work before it counts as hung (default 5)")
+    g.add_argument("--case-cap", type=float, default=180, metavar="S",
+                   help="last-resort limit on one case whose ranks keep working, in seconds (default 180)")
     g.add_argument("--cap", type=float, default=1800, metavar="S",
                    help="last-resort limit on one submission, in seconds (default 1800)")
     g.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep each runner's log in DIR")
@@ -85,6 +87,7 @@ def run(args: Any) -> int:
         err(f"distlab grade: {exc}")
         return 2
     opts = Options(sandbox=box, stall_s=args.stall or CHECK_STALL_S, submission_cap_s=args.cap,
+                   case_cap_s=args.case_cap,
                    backend=args.backend, keep=args.keep,
                    progress=(lambda line: print("  " + line, flush=True)) if args.self else None)
     results = grade(lab, subs, out=out, jobs=args.jobs, opts=opts,

@@ -61,7 +61,7 @@ class Result:
 class Options:
     sandbox: list[str] | None = None      # the bwrap argv, or None to run without a sandbox
     stall_s: float = CHECK_STALL_S        # a case's ranks idle this long: hung (the launcher's detection)
-    case_cap_s: float = 300.0             # last resort per launch
+    case_cap_s: float = 180.0             # last resort per launch (ranks that keep working: a busy loop)
     submission_cap_s: float = 1800.0      # last resort per submission
     backend: str = "gloo"
     keep: Path | None = None              # keep each runner's log here

@@ -13,8 +13,8 @@ For each task the lab grades, for each of its cases graded, it launches
 forkserver for the whole submission; hangs end by the launcher's progress
 detection) and sends one record per case: the ranks' raw pickled outputs
 (never unpickled here beyond the launcher's safe reader), each rank's raw
-event stream with its key, or why the case failed. After a hang, a task's
-later cases are not run. Then a `done` record, and exit 0: the grader treats
+event stream with its key, or why the case failed. After a hang (or a case
+that ran past its cap), a task's later cases are not run. Then a `done` record, and exit 0: the grader treats
 anything else as a failed submission.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     from distlab.checks.verdict import reason
     from distlab.grading.rankside import run_case as on_rank
     from distlab.grading.safeload import safe_loads
-    from distlab.launch import LaunchStalled, launch
+    from distlab.launch import LaunchStalled, LaunchTimeout, launch
     streams = _Streams(folder, case.world_size)
     record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
     try:
@@ -150,7 +150,9 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
             raise TypeError("a rank returned something other than its pickled outputs")
         record.update(status="ok", outputs=[base64.b64encode(o).decode() for o in outputs])
     except Exception as exc:  # noqa: BLE001 - every failure is a line of the report
-        record.update(status="error", reason=reason(exc, task.hang_hint), hung=isinstance(exc, LaunchStalled))
+        stuck = "hung" if isinstance(exc, LaunchStalled) else "ran past the cap" if isinstance(exc, LaunchTimeout) \
+            else ""
+        record.update(status="error", reason=reason(exc, task.hang_hint), stuck=stuck)
     record["streams"] = [base64.b64encode(s).decode() for s in streams.close()]
     record["flooded"] = streams.flooded
     return record
@@ -217,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec = run_case(job, task, index, case, folder)
                 print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
                       f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-                if rec.get("hung"):
-                    hung = f"an earlier case ({case.world_size} ranks) hung"
+                if rec.get("stuck"):   # each later case would wait just as long
+                    hung = f"an earlier case ({case.world_size} ranks) {rec['stuck']}"
             writer.send(json.dumps(rec).encode())
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
     import resource
