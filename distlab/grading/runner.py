@@ -24,6 +24,7 @@ import base64
 import json
 import os
 import selectors
+import shutil
 import sys
 import tempfile
 import threading
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                     hung = f"an earlier case ({case.world_size} ranks) {rec['stuck']}"
             writer.send(json.dumps(rec).encode())
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
+    shutil.rmtree(work, ignore_errors=True)
     import resource
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu_s = sum(u.ru_utime + u.ru_stime for u in usage)    # the ranks, reaped by the fork server, included
