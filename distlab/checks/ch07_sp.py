@@ -1,0 +1,174 @@
+"""Lab 7's sequence-parallel tasks (`distlab.checks.ch07` lists them): the two SP operators, and a block
+whose LayerNorms and residual stream hold 1/t of the sequence on each rank."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import distlab
+from distlab.checks.ch07_common import (ATOL, B, CFG, HANG_HINT, STEPS, TRAIN_ATOL, TRAIN_RTOL, all_reduce_of, block,
+                                        expect_traffic, half_of, make_optimizer, randn, same, shard_of, values_line)
+from distlab.checks.task import Case, Line, Task, judged
+from distlab.checks.verdict import CheckFailed, expect
+from distlab.meters import track_comm
+
+SHAPE = (B, CFG.seq_len, CFG.d_model)
+
+
+class SPOpsTask(Task):
+    name, answers, hang_hint = "sp_ops", ("GatherFromSP", "ReduceScatterToSP"), HANG_HINT
+
+    def cases(self) -> list[Case]:
+        return [Case(n, (f"sp_ops, {n} ranks, values", f"sp_ops, {n} ranks, traffic")) for n in (2, 4)]
+
+    def exercise(self, case: Case, gather: Any, scatter: Any) -> dict:
+        r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
+        out: dict[str, Any] = {}
+        distlab.runtime.progress("GatherFromSP: forward, then backward")
+        x = randn(*SHAPE, seed=r).chunk(t, 1)[r].contiguous().to(dev).requires_grad_()
+        with track_comm() as fwd:
+            y = gather.apply(x, None)
+        with track_comm() as bwd:
+            y.backward(randn(*SHAPE, seed=100 + r).to(dev))
+        out["gather"] = {"out": y.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
+        distlab.runtime.progress("ReduceScatterToSP: forward, then backward")
+        x = randn(*SHAPE, seed=200 + r).to(dev).requires_grad_()
+        with track_comm() as fwd:
+            z = scatter.apply(x * 1.0, None)
+        with track_comm() as bwd:
+            z.backward(randn(*SHAPE, seed=300 + r).chunk(t, 1)[r].contiguous().to(dev))
+        out["scatter"] = {"out": z.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
+        return out
+
+    def reference(self, case: Case) -> dict:
+        t = case.world_size
+        shards = [randn(*SHAPE, seed=m).chunk(t, 1)[m] for m in range(t)]
+        gsum = sum(randn(*SHAPE, seed=100 + m) for m in range(t))
+        xsum = sum(randn(*SHAPE, seed=200 + m) for m in range(t))
+        hs = [randn(*SHAPE, seed=300 + m).chunk(t, 1)[m] for m in range(t)]
+        return {r: {"gather_out": torch.cat(shards, 1), "gather_grad": gsum.chunk(t, 1)[r],
+                    "scatter_out": xsum.chunk(t, 1)[r], "scatter_grad": torch.cat(hs, 1)} for r in range(t)}
+
+    def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
+        t, numel = case.world_size, B * CFG.seq_len * CFG.d_model
+
+        def values() -> str:
+            def check(r: int, out: dict) -> None:
+                want = ref[r]
+                same(out["gather"]["out"], want["gather_out"], "GatherFromSP's output (the whole sequence)")
+                same(out["gather"]["grad"], want["gather_grad"],
+                     "GatherFromSP's input gradient (my slice of the sum over ranks)")
+                same(out["scatter"]["out"], want["scatter_out"], "ReduceScatterToSP's output (my slice of the sum)")
+                same(out["scatter"]["grad"], want["scatter_grad"],
+                     "ReduceScatterToSP's input gradient (every rank's slice, gathered)")
+            return values_line(outputs, check)
+
+        def traffic() -> str:
+            for r, out in enumerate(outputs):
+                expect_traffic(f"rank {r}, gather forward", out["gather"]["fwd"], {"all_gather": half_of(numel, t)})
+                expect_traffic(f"rank {r}, gather backward", out["gather"]["bwd"], {"reduce_scatter": half_of(numel, t)})
+                expect_traffic(f"rank {r}, reduce-scatter forward", out["scatter"]["fwd"],
+                               {"reduce_scatter": half_of(numel, t)})
+                expect_traffic(f"rank {r}, reduce-scatter backward", out["scatter"]["bwd"],
+                               {"all_gather": half_of(numel, t)})
+            return "all-gather <-> reduce-scatter, (t-1)/t x B S h each: half an all-reduce"
+
+        return [judged(case.lines[0], values), judged(case.lines[1], traffic)]
+
+
+class SPBlockTask(Task):
+    name, answers, hang_hint = "sp_block", ("SequenceParallelBlock",), HANG_HINT
+
+    def cases(self) -> list[Case]:
+        return [Case(n, tuple(f"sp_block, {n} ranks, {k}" for k in ("values", "training", "traffic")))
+                for n in (2, 4)]
+
+    @staticmethod
+    def _batch(step: int, r: int | None, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, target = randn(*SHAPE, seed=10 + step), randn(*SHAPE, seed=20 + step)
+        if r is None:
+            return x, target
+        return x.chunk(t, 1)[r].contiguous(), target.chunk(t, 1)[r].contiguous()
+
+    def exercise(self, case: Case, answer: Any) -> dict:
+        r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
+        spb = answer(block(5).to(dev))
+        opt = make_optimizer(spb.parameters())
+        first: dict[str, Any] = {}
+        for step in range(STEPS):
+            distlab.runtime.progress(f"sp_block: step {step}")
+            x, target = (z.to(dev) for z in self._batch(step, r, t))
+            x.requires_grad_()
+            with track_comm() as fwd:
+                y = spb(x)
+            loss = ((y - target) ** 2).sum() / (B * CFG.seq_len * CFG.d_model)   # my part of the mean
+            with track_comm() as bwd:
+                loss.backward()
+            with track_comm() as sync:
+                spb.allreduce_replicated_grads()
+            if step == 0:
+                first = {"out": y.detach(), "x_grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats(),
+                         "sync": sync.stats(), "grads": {k: p.grad.clone() for k, p in spb.named_parameters()
+                                                         if p.grad is not None}}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {**first, "params": {k: p.detach() for k, p in spb.named_parameters()}}
+
+    def reference(self, case: Case) -> dict:
+        ref = block(5)
+        opt = make_optimizer(ref.parameters())
+        first: dict[str, Any] = {}
+        for step in range(STEPS):
+            x, target = self._batch(step, None, 1)
+            x.requires_grad_()
+            y = ref(x)
+            ((y - target) ** 2).mean().backward()
+            if step == 0:
+                first = {"out": y.detach(), "x_grad": x.grad,
+                         "grads": {k: p.grad.clone() for k, p in ref.named_parameters()}}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {**first, "params": {k: p.detach() for k, p in ref.named_parameters()}}
+
+    def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
+        t = case.world_size
+
+        def values() -> str:
+            def check(r: int, out: dict) -> None:
+                same(out["out"], ref["out"].chunk(t, 1)[r], "the output (my slice of the sequence)")
+                same(out["x_grad"], ref["x_grad"].chunk(t, 1)[r], "the input gradient (my slice)")
+                names, want = set(out["grads"]), set(ref["grads"])
+                expect(names == want, f"gradients of {sorted(names)}; expected {sorted(want)} "
+                                      "(attributes ln1, attn, ln2, mlp, as in Block)")
+                for k in sorted(want):
+                    replicated = k.startswith("ln") or k in ("attn.wo.bias", "mlp.out.bias")
+                    what = f"the gradient of {k}" + (" (after allreduce_replicated_grads)" if replicated else "")
+                    same(out["grads"][k], shard_of(k, ref["grads"][k], r, t), what, ATOL, 1e-4)
+            return values_line(outputs, check)
+
+        def training() -> str:
+            def check(r: int, out: dict) -> None:
+                for k in sorted(ref["params"]):
+                    if k not in out["params"]:
+                        raise CheckFailed(f"no parameter {k}")
+                    same(out["params"][k], shard_of(k, ref["params"][k], r, t), f"{k} after {STEPS} steps",
+                         TRAIN_ATOL, TRAIN_RTOL)
+            values_line(outputs, check)
+            return f"{STEPS} SGD steps match one process"
+
+        def traffic() -> str:
+            numel, h = B * CFG.seq_len * CFG.d_model, CFG.d_model
+            two = (2, 2 * half_of(numel, t)[1])
+            ln = all_reduce_of(6 * h, t)[1]     # LayerNorms 4h, row-parallel biases 2h
+            for r, out in enumerate(outputs):
+                expect_traffic(f"rank {r}, forward", out["fwd"], {"all_gather": two, "reduce_scatter": two})
+                expect_traffic(f"rank {r}, backward", out["bwd"], {"all_gather": two, "reduce_scatter": two})
+                sent = out["sync"].bytes
+                if set(sent) != {"all_reduce"} or sent["all_reduce"] != ln:
+                    raise CheckFailed(f"rank {r}, allreduce_replicated_grads: sent {dict(sent)} B; expected "
+                                      f"all-reduces of the 6h replicated gradients (LayerNorms, row biases): {ln} B")
+            return ("per block 2 all-gathers + 2 reduce-scatters forward and backward (the bytes of TP's "
+                    "4 all-reduces), and the replicated parameters' gradients")
+
+        return [judged(case.lines[0], values), judged(case.lines[1], training), judged(case.lines[2], traffic)]

@@ -1,0 +1,319 @@
+"""Lab 8's graded tasks: a pipeline over send/recv (forward, GPipe, 1F1B) and an offloaded optimizer.
+
+Pipeline tasks run the learner's function on 2 and 4 stage ranks: rank r holds
+stage r of the course GPT (`distlab.pipeline.build_stage`), rank 0 gets the
+token ids, the last rank the targets. Three verdict lines per case:
+
+- values: the last rank's loss (or logits) and every stage's gradients equal
+  one process's on the whole batch (computed here, without learner code);
+- activations: the rank's peak bytes during the step, in units of one
+  micro-batch's activations on that stage (measured on the rank just before):
+  GPipe holds all m, 1F1B at most p - r;
+- messages: only send/recv, one activation per micro-batch forward and one
+  gradient per micro-batch backward on each link, exactly their bytes.
+
+Offload tasks run on one rank with the course GPT in bf16 and check where the
+optimizer's state lives, that gradients leave the device during the backward
+(2Ψ bytes down) and parameters come back after the step (2Ψ up), and that the
+parameters equal those of the plain `MixedPrecisionAdam` after three steps
+(computed by a launch of its own, on the same kind of device).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import distlab
+from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.verdict import CheckFailed, compare, expect
+from distlab.meters import track_comm, track_memory
+
+# What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
+PRELUDE = """\
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab.meters import sync
+from distlab.offload import host_like
+from distlab.pipeline import activation_shape, stage_loss"""
+
+PRESET, SEED, LAYERS, MICRO = "tiny", 0, 4, 2      # 4 blocks: up to 4 stages; 2 rows per micro-batch
+OFFLOAD_LR, OFFLOAD_WD, OFFLOAD_STEPS, OFFLOAD_BATCH = 5e-2, 0.1, 3, 8
+
+PIPE_HINT = ("A pipeline hangs when a rank waits for a message its neighbour never sends: every recv "
+             "needs a send of the same shape, in the same order, on the neighbour. In 1F1B, post the send "
+             "of a forward's output together with the receive of the next gradient (dist.batch_isend_irecv).")
+
+
+def _batch(m: int, config: Any, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from distlab.models import synthetic_batch
+    return synthetic_batch(0, MICRO * m, config, device=device)
+
+
+class PipelineTask(Task):
+    """`kind`: 'forward' (inference only), 'gpipe' or '1f1b'."""
+
+    hang_hint = PIPE_HINT
+
+    def __init__(self, kind: str, answer: str, cases: tuple[tuple[int, int], ...]) -> None:
+        self.name = self.kind = kind
+        self.answers = (answer,)
+        self._cases = cases
+
+    def cases(self) -> list[Case]:
+        out = []
+        for p, m in self._cases:
+            head = f"{self.kind}, {p} stages, m={m}"
+            lines = (f"{head}, values", f"{head}, messages") if self.kind == "forward" else (
+                f"{head}, values", f"{head}, activations", f"{head}, messages")
+            out.append(Case(p, lines, {"m": m}))
+        return out
+
+    # -- on every rank, with the learner's function ------------------------------------------------
+    def exercise(self, case: Case, fn: Any) -> dict:
+        from distlab.pipeline import activation_bytes, build_stage
+        p, m, r = case.world_size, case.args["m"], distlab.rank()
+        stage = build_stage(PRESET, r, p, seed=SEED, n_layers=LAYERS)
+        x, y = _batch(m, stage.config)
+        first, last = r == 0, r == p - 1
+        unit = 0
+        if self.kind != "forward":
+            distlab.runtime.progress(f"{p} stages, m={m}: measuring one micro-batch")
+            unit = activation_bytes(stage, x[:MICRO], y[:MICRO])
+            for q in stage.parameters():
+                q.grad = torch.zeros_like(q)      # gradients accumulate in place: not activations
+        distlab.runtime.progress(f"{self.kind}, {p} stages, m={m}")
+        with track_memory() as mem, track_comm() as comm:
+            if self.kind == "forward":
+                with torch.no_grad():
+                    out = fn(stage, x if first else None, m, MICRO)
+            else:
+                out = fn(stage, x if first else None, y if last else None, m, MICRO)
+        if isinstance(out, torch.Tensor):
+            out = out.detach().float().cpu()
+        grads = {} if self.kind == "forward" else {
+            stage.full_names[n]: (q.grad.detach().clone() if q.grad is not None else None)
+            for n, q in stage.named_parameters()}
+        return {"out": out if last else None, "grads": grads, "peak": int(mem.peak_bytes), "unit": unit,
+                "comm": comm.stats()}
+
+    # -- here, without learner code ----------------------------------------------------------------
+    def reference(self, case: Case) -> dict:
+        from distlab.models import build_model, lm_loss
+        model = build_model(PRESET, seed=SEED, n_layers=LAYERS, device="cpu")
+        x, y = _batch(case.args["m"], model.config, device="cpu")
+        if self.kind == "forward":
+            with torch.no_grad():
+                return {"out": model(x).float(), "grads": {}}
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        return {"out": loss.detach(), "grads": {n: q.grad.clone() for n, q in model.named_parameters()},
+                "act_bytes": MICRO * model.config.seq_len * model.config.d_model * 4}
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        p, m = case.world_size, case.args["m"]
+        names = case.lines
+
+        def values() -> str:
+            out = outputs[p - 1]["out"]
+            expect(out is not None, f"the last rank (rank {p - 1}) returned None: it must return the "
+                   + ("logits of the whole batch" if self.kind == "forward" else "mean loss"))
+            mine = torch.as_tensor(out, dtype=torch.float32)
+            if self.kind != "forward":
+                mine = mine.reshape(())
+            compare(mine, reference["out"].float(), atol=1e-5, rtol=1e-4,
+                    what="the last rank's " + ("logits" if self.kind == "forward" else "loss"))
+            if self.kind == "forward":
+                return "the last rank's logits equal one process's"
+            seen = {}
+            for r, o in enumerate(outputs):
+                seen.update({k: (r, v) for k, v in o["grads"].items()})
+            expect(set(seen) == set(reference["grads"]), "the stages do not cover the model's parameters")
+            for name, want in reference["grads"].items():
+                r, g = seen[name]
+                expect(g is not None and bool(g.abs().sum() > 0),
+                       f"rank {r}: {name} has no gradient: run the backward of every micro-batch")
+                try:
+                    compare(g, want, atol=1e-5, rtol=1e-4, what=f"rank {r}'s gradient of {name}")
+                except CheckFailed as exc:
+                    raise CheckFailed(f"{exc}; scale each micro-batch's loss by 1/m") from None
+            return "loss and every gradient equal one process's on the whole batch"
+
+        def activations() -> str:
+            for r, o in enumerate(outputs):
+                held = o["peak"] / max(o["unit"], 1)
+                want = m if self.kind == "gpipe" else min(m, p - r)
+                if held > want + 1.0:
+                    raise CheckFailed(f"rank {r} held {held:.1f} micro-batches of activations at its peak; "
+                                      f"{self.kind} holds at most {want}"
+                                      + ("" if self.kind == "gpipe" else
+                                         ": start each backward as soon as its gradient can arrive"))
+                if self.kind == "gpipe" and held < m - 0.5:
+                    raise CheckFailed(f"rank {r} held {held:.1f} micro-batches at its peak; GPipe runs every "
+                                      f"forward before any backward and holds all m = {m}")
+            return ("holds all m micro-batches' activations" if self.kind == "gpipe"
+                    else "holds at most p - r micro-batches' activations on rank r")
+
+        def messages() -> str:
+            act = reference.get("act_bytes", MICRO * 16 * 32 * 4)
+            for r, o in enumerate(outputs):
+                stats = o["comm"]
+                other = sorted(set(stats.calls) - {"send", "recv"})
+                expect(not other, f"rank {r} called {', '.join(other)}: a pipeline uses only send/recv")
+                links = (r < p - 1) + (0 if self.kind == "forward" else (r > 0))
+                sends, sent = stats.calls.get("send", 0), stats.bytes.get("send", 0)
+                recvs = stats.calls.get("recv", 0)
+                want_recvs = (r > 0) + (0 if self.kind == "forward" else (r < p - 1))
+                expect(sends == m * links and recvs == m * want_recvs,
+                       f"rank {r} posted {sends} sends and {recvs} receives; expected {m * links} and "
+                       f"{m * want_recvs} (one message per micro-batch and direction)")
+                expect(sent == m * links * act,
+                       f"rank {r} sent {sent} bytes; expected {m * links * act} (one activation of "
+                       f"{act} bytes per message)")
+            return "one activation per micro-batch and direction, send/recv only"
+
+        fns = {"values": values, "activations": activations, "messages": messages}
+        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
+
+
+# ---- offload -------------------------------------------------------------------------------------
+
+def _offload_model() -> Any:
+    from distlab.models import build_model
+    return build_model(PRESET, seed=SEED).to(torch.bfloat16)
+
+
+def _plain_offload_reference() -> dict:
+    """MixedPrecisionAdam on the rank's device: what the offloaded optimizer must reproduce."""
+    from distlab.models import lm_loss, synthetic_batch
+    from distlab.precision import MixedPrecisionAdam
+    model = _offload_model()
+    opt = MixedPrecisionAdam(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
+    for step in range(OFFLOAD_STEPS):
+        x, y = synthetic_batch(step, OFFLOAD_BATCH, model.config)
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+class OffloadTask(Task):
+    """`kind`: 'state' (construction), 'grads' (the backward), 'step' (three full steps)."""
+
+    def __init__(self, kind: str, lines: tuple[str, ...]) -> None:
+        self.name, self.kind, self.answers = f"offload_{kind}", kind, ("OffloadAdam",)
+        self._lines = lines
+
+    def cases(self) -> list[Case]:
+        return [Case(1, tuple(f"{self.name}, {line}" for line in self._lines))]
+
+    def exercise(self, case: Case, cls: Any) -> dict:
+        from distlab.models import lm_loss, num_params, synthetic_batch
+        from distlab.offload import host_device_split, track_transfers
+        model = _offload_model()
+        psi = num_params(model)
+        distlab.runtime.progress(f"offload_{self.kind}: building the optimizer")
+        opt = cls(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
+        out: dict[str, Any] = {"psi": psi}
+        if self.kind == "state":
+            out["split"] = host_device_split(model, opt)
+            return out
+        steps = 1 if self.kind == "grads" else OFFLOAD_STEPS
+        out["steps"] = []
+        for step in range(steps):
+            distlab.runtime.progress(f"offload_{self.kind}: step {step}")
+            x, y = synthetic_batch(step, OFFLOAD_BATCH, model.config)
+            with track_transfers(model) as backward:
+                lm_loss(model, x, y).backward()
+            left = [n for n, q in model.named_parameters() if q.grad is not None]
+            rec = {"backward": backward.stats(), "grads_left": left}
+            if self.kind == "step":
+                with track_transfers(model) as stepped:
+                    opt.step()
+                rec["step"] = stepped.stats()
+            out["steps"].append(rec)
+        if self.kind == "step":
+            out["params"] = {n: q.detach().clone() for n, q in model.named_parameters()}
+        return out
+
+    def reference(self, case: Case) -> Any:
+        if self.kind != "step":
+            return None
+        from distlab.launch import launch
+        return launch(_plain_offload_reference, 1)[0]
+
+    def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:
+        o = outputs[0]
+        psi = o["psi"]
+        names = case.lines
+
+        def host() -> str:
+            split = o["split"]
+            expect(split["host"] >= 12 * psi,
+                   f"the optimizer keeps {split['host'] / psi:.1f} bytes per parameter off the model; the fp32 "
+                   "master weights, m and v alone are 12 per parameter: make them in __init__, on the host")
+            expect(split["host"] <= 18 * psi,
+                   f"the optimizer keeps {split['host'] / psi:.1f} bytes per parameter on the host; more than "
+                   "master, m, v (12) plus one fp32 gradient buffer and one 16-bit staging buffer (6)")
+            return "fp32 master weights, m and v live on the host"
+
+        def device() -> str:
+            split = o["split"]
+            expect(split["device"] <= 2 * psi,
+                   f"{split['device']} bytes on the device for {psi} parameters: only the 16-bit parameters "
+                   "(2 bytes each) may stay there")
+            return "only the 16-bit parameters stay on the device"
+
+        def streamed() -> str:
+            for k, rec in enumerate(o["steps"]):
+                b = rec["backward"]
+                expect(b["down_bytes"] == 2 * psi,
+                       f"step {k}: {b['down_bytes']} bytes went device -> host during the backward; expected "
+                       f"2Ψ = {2 * psi} (every 16-bit gradient once, copied with copy_ into a host buffer)")
+                expect(b["up_bytes"] == 0, f"step {k}: {b['up_bytes']} bytes went host -> device during the "
+                       "backward; parameters go up after the step")
+            return "every gradient went to the host during the backward: 2Ψ bytes"
+
+        def released() -> str:
+            for k, rec in enumerate(o["steps"]):
+                left = rec["grads_left"]
+                if left:
+                    raise CheckFailed(f"step {k}: after the backward {len(left)} parameters still hold a device "
+                                      f"gradient (e.g. {left[0]}): set p.grad = None once it is copied")
+            return "no gradient left on the device after the backward"
+
+        def values() -> str:
+            for name, want in reference.items():
+                mine = o["params"][name]
+                expect(mine.dtype == want.dtype, f"{name} is {mine.dtype}; the parameters must stay {want.dtype}")
+                compare(mine.double(), want.double(), atol=1e-6, rtol=2.0 ** -7, what=f"parameter {name}")
+            return (f"parameters equal MixedPrecisionAdam's after {OFFLOAD_STEPS} steps "
+                    "(to one bf16 rounding)")
+
+        def traffic() -> str:
+            for k, rec in enumerate(o["steps"]):
+                s = rec["step"]
+                expect(s["up_bytes"] == 2 * psi,
+                       f"step {k}: {s['up_bytes']} bytes went host -> device in step(); expected 2Ψ = {2 * psi} "
+                       "(every parameter once, in 16 bits: cast on the host, then copy)")
+                expect(s["down_bytes"] == 0, f"step {k}: {s['down_bytes']} bytes went device -> host in step(); "
+                       "the gradients are already on the host")
+            return "2Ψ bytes down during the backward and 2Ψ up after each step"
+
+        fns = {"host": host, "device": device, "streamed": streamed, "released": released,
+               "values": values, "traffic": traffic}
+        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
+
+
+TASKS = {t.name: t for t in (
+    PipelineTask("forward", "pipeline_forward", ((2, 2), (4, 4))),
+    PipelineTask("gpipe", "gpipe_step", ((2, 4), (4, 6))),
+    PipelineTask("1f1b", "one_f_one_b_step", ((2, 4), (4, 2), (4, 6))),
+    OffloadTask("state", ("host", "device")),
+    OffloadTask("grads", ("streamed", "released")),
+    OffloadTask("step", ("values", "traffic")),
+)}
+
+grade = grader(TASKS)

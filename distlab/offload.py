@@ -1,0 +1,178 @@
+"""Host memory for ZeRO-Offload: buffers, a meter for device <-> host copies, and who holds what.
+
+    buf = host_like(p)                       # CPU memory (pinned when the rank computes on a GPU)
+    with track_transfers(model) as meter:    # count the bytes that cross the host link
+        loss.backward(); opt.step()
+    meter.down_bytes, meter.up_bytes         # device -> host, host -> device
+    host_device_split(model, opt)            # bytes held on the device and on the host
+
+On a GPU the host link is PCIe (or NVLink-C2C): a copy whose source and
+destination sit on different devices crosses it, and the meter counts the
+bytes of the device-side tensor (a copy that also changes the dtype converts
+on the CPU, so the 16-bit side is what travels).
+
+On CPU ranks "device" and "host" are the same memory, so no copy crosses
+anything; the meter then calls the model's parameters and gradients the
+device side and every other tensor the host side, and counts each `copy_`
+between the two. So the same code measures the same bytes on both: copy
+into preallocated host buffers with `copy_` (what a GPU wants anyway:
+pinned buffers and `non_blocking=True`), not with `.to("cpu")`, which on a
+CPU rank returns the very same tensor.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+
+
+def host_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty CPU tensor shaped like `t` (dtype `dtype` or `t`'s): host memory for offload.
+
+    Pinned (page-locked) when this rank computes on a GPU, so copies to and from
+    the device can run asynchronously (`non_blocking=True`); plain CPU memory otherwise
+    (pinning needs a GPU).
+    """
+    from distlab.runtime import device
+    pin = device().type == "cuda" and torch.cuda.is_available()
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu", pin_memory=pin)
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t     # a DTensor (FSDP2): its local shard
+    return (str(t.device), local.untyped_storage().data_ptr())
+
+
+def _model_tensors(roots: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for r in roots:
+        if isinstance(r, torch.nn.Module):
+            out += list(r.parameters()) + list(r.buffers())
+        elif isinstance(r, torch.Tensor):
+            out.append(r)
+        else:
+            out += [t for t in r if isinstance(t, torch.Tensor)]
+    return out
+
+
+class _TransferMeter(TorchDispatchMode):
+    def __init__(self, device_side: tuple[Any, ...]) -> None:
+        super().__init__()
+        self._roots = device_side
+        self.down_bytes = self.up_bytes = self.down_calls = self.up_calls = 0
+
+    def _device_keys(self) -> set[tuple[str, int]]:
+        keys = set()
+        for t in _model_tensors(self._roots):
+            keys.add(_key(t))
+            if t.grad is not None:
+                keys.add(_key(t.grad))
+        return keys
+
+    def _book(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.device.type != dst.device.type:
+            if dst.device.type == "cpu":
+                self.down_bytes += src.numel() * src.element_size()
+                self.down_calls += 1
+            elif src.device.type == "cpu":
+                self.up_bytes += dst.numel() * dst.element_size()
+                self.up_calls += 1
+            return
+        if src.device.type != "cpu":
+            return  # a copy inside one GPU (or between GPUs) never crosses the host link
+        from distlab.runtime import device
+        if device().type != "cpu":
+            return  # a GPU rank: CPU-to-CPU copies are host-side only
+        keys = self._device_keys()
+        src_dev, dst_dev = _key(src) in keys, _key(dst) in keys
+        if src_dev and not dst_dev:
+            self.down_bytes += src.numel() * src.element_size()
+            self.down_calls += 1
+        elif dst_dev and not src_dev:
+            self.up_bytes += dst.numel() * dst.element_size()
+            self.up_calls += 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _aten.copy_.default:
+            self._book(args[1], args[0])
+        elif func is _aten._to_copy.default and isinstance(out, torch.Tensor):
+            if out.device.type != args[0].device.type:
+                self._book(args[0], out)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {"down_bytes": self.down_bytes, "up_bytes": self.up_bytes,
+                "down_calls": self.down_calls, "up_calls": self.up_calls}
+
+
+@contextmanager
+def track_transfers(*device_side: Any) -> Iterator[_TransferMeter]:
+    """Count bytes copied device -> host (`down_bytes`) and host -> device (`up_bytes`) in the block.
+
+    `device_side`: the modules (or tensors) that live on the device; on CPU
+    ranks their parameters, buffers and gradients are the device side (see the
+    module docstring). `.stats()` gives a picklable dict.
+    """
+    with _TransferMeter(device_side) as meter:
+        yield meter
+
+
+def _storages(*roots: Any, depth: int = 4) -> dict[tuple[str, int], int]:
+    """Every tensor storage reachable from `roots` (tensors and their .grad, modules, optimizers,
+    containers, plain objects' attributes), storage -> bytes."""
+    seen: dict[tuple[str, int], int] = {}
+    stack = [(r, 0) for r in roots]
+    visited: set[int] = set()
+    while stack:
+        obj, d = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            for u in (obj, obj.grad):
+                if isinstance(u, torch.Tensor) and u.untyped_storage().data_ptr():
+                    local = u._local_tensor if hasattr(u, "_local_tensor") else u
+                    s = local.untyped_storage()
+                    seen[(str(u.device), s.data_ptr())] = s.nbytes()
+            continue
+        if id(obj) in visited or d > depth or isinstance(obj, (str, bytes, int, float, type)):
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            stack += [(t, d + 1) for t in list(obj.parameters()) + list(obj.buffers())]
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack += [(v, d + 1) for v in obj.state.values()]
+            stack += [(g, d + 1) for g in obj.param_groups]
+        elif isinstance(obj, dict):
+            stack += [(v, d + 1) for v in list(obj.keys()) + list(obj.values())]
+        elif isinstance(obj, (list, tuple, set)):
+            stack += [(v, d + 1) for v in obj]
+        elif hasattr(obj, "__dict__"):
+            stack += [(v, d + 1) for v in vars(obj).values()]
+    return seen
+
+
+def host_device_split(device_side: Any, host_side: Any = ()) -> dict[str, int]:
+    """Bytes held on each side: {"device": ..., "host": ...}, each storage once.
+
+    `device_side`: what the code keeps on the device (a model, a plain optimizer);
+    `host_side`: what it keeps in host memory (an offloaded optimizer and its buffers).
+    On a GPU rank each storage is booked where it really is. On a CPU rank both
+    sides are the same memory, so the split is the one the code declares:
+    storages reachable from `device_side` are the device's, the others reachable
+    from `host_side` the host's.
+    """
+    dev_roots = device_side if isinstance(device_side, (tuple, list)) else (device_side,)
+    host_roots = host_side if isinstance(host_side, (tuple, list)) else (host_side,)
+    on_device = _storages(*dev_roots)
+    everything = dict(on_device)
+    everything.update(_storages(*host_roots))
+    from distlab.runtime import device
+    if device().type == "cuda":
+        dev = sum(b for (d, _), b in everything.items() if d.startswith("cuda"))
+        return {"device": dev, "host": sum(everything.values()) - dev}
+    return {"device": sum(on_device.values()),
+            "host": sum(b for k, b in everything.items() if k not in on_device)}

@@ -1,0 +1,288 @@
+"""Pipeline stages of the course GPT, stand-in kernel costs, and reading a pipeline's timeline.
+
+    stage = build_stage("tiny", index=r, stages=p)          # on distlab.device()
+    h = stage(x)                     # stage 0: token ids -> hidden; last stage: hidden -> logits
+    shape = activation_shape(stage.config, micro_batch=2)   # what crosses between stages
+
+The package holds no schedule: GPipe and 1F1B are the chapter's lab. It holds
+what every schedule needs — the model cut into stages that share the full
+model's parameters, name for name (so gradients compare with one process), a
+fixed cost standing in for GPU kernels, and the bubble read off a timeline.
+
+Why a fixed cost: the course's CPU ranks share two cores, so a stage's real
+compute time depends on what the other ranks do at that moment and the
+timeline drowns in contention. `FixedCost` makes each forward sleep `forward_s`
+and each backward sleep `backward_s` (activation gradient) plus `weight_s`
+(weight gradient): a sleeping rank leaves the cores to the others, so every
+stage takes the same, known time, like a kernel on its own GPU.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+
+from distlab.collectives import chunk_bounds
+from distlab.models import GPT, GPTConfig, build_model
+
+
+def stage_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """[start, end) of the blocks each stage runs: contiguous, sizes differing by at most one."""
+    if stages < 1 or stages > n_layers:
+        raise ValueError(f"cannot cut {n_layers} blocks into {stages} stages: "
+                         f"use 1..{n_layers} stages, or a model with more layers (n_layers=...)")
+    return chunk_bounds(n_layers, stages)
+
+
+class Stage(nn.Module):
+    """Stage `index` of `stages`: blocks [a, b) of a GPT; embeddings on the first, the final norm
+    and the head on the last. Shares the parameters of `model` (no copy).
+
+    `full_names[local_name]` is each parameter's name in the whole model.
+    """
+
+    def __init__(self, model: GPT, index: int, stages: int) -> None:
+        super().__init__()
+        if not 0 <= index < stages:
+            raise ValueError(f"stage index must be in 0..{stages - 1}, got {index}")
+        self.config: GPTConfig = model.config
+        self.index, self.stages = index, stages
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        a, b = stage_layers(model.config.n_layers, stages)[index]
+        self.first_block = a
+        if self.is_first:
+            self.tok, self.pos = model.tok, model.pos
+        self.blocks = nn.ModuleList(model.blocks[a:b])
+        if self.is_last:
+            self.ln_f, self.head = model.ln_f, model.head
+        self.full_names = {name: self._full(name) for name, _ in self.named_parameters()}
+
+    def _full(self, name: str) -> str:
+        if name.startswith("blocks."):
+            i, rest = name.split(".", 2)[1:]
+            return f"blocks.{self.first_block + int(i)}.{rest}"
+        return name
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        from distlab.precision import compute_dtype
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return x.to(compute_dtype(x.dtype, x.device))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.is_last else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids (B, T) -> hidden (B, T, D); others: hidden -> hidden, or logits (B, T, V) last."""
+        return self.body(self.embed(x) if self.is_first else x)
+
+
+def build_stage(preset: str | GPTConfig = "tiny", index: int = 0, stages: int = 1, *, seed: int = 0,
+                device: torch.device | str | None = None, **overrides: object) -> Stage:
+    """Stage `index` of the course GPT cut in `stages`, with the same weights as `build_model(preset, seed=seed)`."""
+    return Stage(build_model(preset, seed=seed, device=device, **overrides), index, stages)
+
+
+def activation_shape(config: GPTConfig, micro_batch: int) -> tuple[int, int, int]:
+    """(micro_batch, seq_len, d_model): the tensor one stage sends the next, and its gradient back."""
+    return (micro_batch, config.seq_len, config.d_model)
+
+
+def activation_dtype(config: GPTConfig, device: torch.device | str | None = None,
+                     storage: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of the hidden states between stages: the compute dtype of the model's weights."""
+    from distlab.precision import compute_dtype
+    return compute_dtype(storage, device)
+
+
+def stage_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch (what `distlab.models.lm_loss` computes)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def activation_bytes(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes one micro-batch's forward leaves alive on `stage` until its backward: the activations
+    autograd saves, the stage's output (on the last stage, the loss and what it saves).
+
+    `x`: one micro-batch of token ids (used by the first stage), `y`: its targets (used by the
+    last); other stages get a random hidden state of the right shape. Measured with
+    `distlab.meters.track_memory` after one untimed forward and backward (workspaces, lazy state).
+    """
+    from distlab.meters import track_memory
+    from distlab.runtime import device
+    config = stage.config
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        inp = x if stage.is_first else torch.randn(
+            activation_shape(config, x.shape[0]), device=device(),
+            dtype=activation_dtype(config)).requires_grad_()
+        out = stage(inp)
+        return inp, (stage_loss(out, y) if stage.is_last else out)
+
+    inp, out = forward()
+    out.sum().backward()
+    del inp, out
+    with track_memory() as mem:
+        inp, out = forward()
+        held = mem.current_bytes
+    del inp, out
+    stage.zero_grad(set_to_none=True)
+    return int(held)
+
+
+# ---- a fixed cost in place of kernels ---------------------------------------------------------------
+
+class _BackwardEnds(torch.autograd.Function):
+    """Identity; its backward (the last thing the stage's activation gradient runs) sleeps, then stamps."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float, stamp: Any) -> torch.Tensor:
+        ctx.seconds, ctx.stamp = seconds, stamp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.seconds)
+        ctx.stamp()
+        return grad, None, None
+
+
+class FixedCost(nn.Module):
+    """A stage whose forward takes `forward_s` more and whose backward takes `backward_s` (activation
+    gradient) plus `weight_s` (weight gradient) more: sleeps standing in for GPU kernels. A
+    zero-bubble schedule runs the two parts of the backward apart, as B and W.
+
+    With a `timeline` (`distlab.meters.Timeline`), each call records its spans: `F{k}` for the
+    k-th forward since `reset()`, `B{k}` for its backward (from the gradient reaching the stage's
+    output to the stage's input gradient). Schedules need no instrumentation of their own.
+    Parameters, `config`, `is_first`, `is_last` are the stage's.
+    """
+
+    def __init__(self, stage: Stage, forward_s: float, backward_s: float, weight_s: float = 0.0,
+                 timeline: Any = None) -> None:
+        super().__init__()
+        self.stage = stage
+        self.config, self.is_first, self.is_last = stage.config, stage.is_first, stage.is_last
+        self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
+        self.timeline = timeline
+        self.calls = 0
+        self._hooks = []
+        if weight_s > 0:
+            # Weight gradients: one sleep per backward, on the first parameter's gradient.
+            first = next(stage.parameters())
+            self._hooks.append(first.register_hook(self._weight_cost))
+
+    def reset(self, timeline: Any = None) -> None:
+        """Number micro-batches from 0 again (a new step); optionally record into a new timeline."""
+        self.calls = 0
+        if timeline is not None:
+            self.timeline = timeline
+
+    def remove(self) -> Stage:
+        """Take the weight-gradient cost off the stage's parameter; returns the bare stage."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return self.stage
+
+    def _weight_cost(self, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.weight_s)
+        return grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from distlab.meters import sync
+        k, self.calls = self.calls, self.calls + 1
+        tl = self.timeline
+        sync()
+        start = time.perf_counter()
+        time.sleep(self.forward_s)
+        h = self.stage.embed(x) if self.stage.is_first else x
+        began: list[float] = []
+        if h.requires_grad:
+            def end() -> None:
+                sync()
+                if tl is not None and began:
+                    tl.add(f"B{k}", "compute", began[0], time.perf_counter())
+            h = _BackwardEnds.apply(h, self.backward_s, end)
+        out = self.stage.body(h)
+        if out.requires_grad:
+            # The gradient reaching the output is the first thing this stage's backward sees. A hook,
+            # not a view: schedules may detach the output in place (zero-bubble ones do).
+            out.register_hook(lambda grad: began.append(time.perf_counter()))
+        sync()
+        if tl is not None:
+            tl.add(f"F{k}", "compute", start, time.perf_counter())
+        return out
+
+
+def calibrated_cost(measured_s: float, *, factor: float = 10.0, floor_s: float = 0.004) -> float:
+    """A forward cost that dominates the real compute (`factor` times it), at least `floor_s`."""
+    if measured_s < 0:
+        raise ValueError(f"measured time must be >= 0, got {measured_s}")
+    return max(floor_s, factor * measured_s)
+
+
+# ---- reading a timeline -----------------------------------------------------------------------------
+
+def _rows(spans: Iterable[Any]) -> list[Mapping[str, Any]]:
+    return [s if isinstance(s, Mapping) else s.__dict__ for s in spans]
+
+
+def idle_fractions(spans: Iterable[Any]) -> dict[int, float]:
+    """Per rank: the share of the step window it spent outside compute spans.
+
+    The window runs from the first compute span's start to the last one's end,
+    over all ranks (one step). Waiting for a message counts as idle.
+    """
+    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
+    if not rows:
+        raise ValueError("no compute spans")
+    t0, t1 = min(r["start"] for r in rows), max(r["end"] for r in rows)
+    busy: dict[int, float] = {}
+    for r in rows:
+        busy[r["rank"]] = busy.get(r["rank"], 0.0) + (r["end"] - r["start"])
+    return {k: 1.0 - v / (t1 - t0) for k, v in sorted(busy.items())}
+
+
+def bubble(spans: Iterable[Any]) -> float:
+    """The measured bubble fraction: the ranks' mean idle share of the step window."""
+    return statistics.fmean(idle_fractions(spans).values())
+
+
+def step_window(spans: Iterable[Any]) -> float:
+    """Seconds from the first compute span's start to the last one's end, over all ranks: one step."""
+    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
+    if not rows:
+        raise ValueError("no compute spans")
+    return max(r["end"] for r in rows) - min(r["start"] for r in rows)
+
+
+def busy_per_microbatch(spans: Iterable[Any], m: int) -> float:
+    """Seconds of compute per micro-batch, averaged over ranks: each rank's forward + backward of one
+    micro-batch as it really ran (sleeps included, and whatever stretched them)."""
+    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
+    busy: dict[int, float] = {}
+    for r in rows:
+        busy[r["rank"]] = busy.get(r["rank"], 0.0) + (r["end"] - r["start"])
+    if not busy:
+        raise ValueError("no compute spans")
+    return statistics.fmean(busy.values()) / m
+
+
+def slot_overhead(steps: Iterable[tuple[int, float, float]], p: int) -> float:
+    """Fit T(m) = (m + p - 1)(s_m + o) to measured (m, step seconds T, busy seconds per micro-batch s_m):
+    the idle time o each of the m + p - 1 slots adds beyond its work (messages, waking up). Least squares."""
+    rows = [(m + p - 1, t, s) for m, t, s in steps]
+    if not rows:
+        raise ValueError("no steps to fit")
+    return sum(k * (t - k * s) for k, t, s in rows) / sum(k * k for k, _, _ in rows)
+
+
+def bubble_with_overhead(p: int, m: int, overhead_s: float, slot_s: float) -> float:
+    """Idle share when each of the m + p - 1 slots takes slot_s of work plus overhead_s of waiting,
+    and a rank works m of them: 1 - m slot_s / ((m + p - 1)(slot_s + overhead_s))."""
+    return 1.0 - m * slot_s / ((m + p - 1) * (slot_s + overhead_s))

@@ -1,0 +1,189 @@
+"""Closed forms for tensor, sequence and context parallelism (chapter 7). Pure functions, no ranks.
+
+Names: B batch (rows per tensor-parallel group), S sequence length, h = d_model,
+a = attention heads, t = tensor-parallel degree, cp = context-parallel degree,
+e = bytes per activation element (2 in bf16, 4 in fp32), T = B x S tokens.
+"Bytes" on the wire are algorithmic bytes one rank sends (ring formulas, as
+`distlab.meters.track_comm` books them).
+
+Megatron-LM's tensor parallelism (Shoeybi et al., 2019) cuts each block at two
+points: a column-parallel linear (Q K V; the MLP's first layer) whose input is
+copied by the operator f (identity forward, all-reduce of the input gradient
+backward), then a row-parallel linear (the attention output; the MLP's second
+layer) whose partial sums the operator g adds up (all-reduce forward, identity
+backward). So a block all-reduces B S h elements twice forward and twice backward.
+
+Sequence parallelism (Korthikanti et al., 2022) replaces each all-reduce by a
+reduce-scatter (to the sequence shard the LayerNorm and dropout work on) and an
+all-gather (back to the full sequence for the next column-parallel linear):
+the same bytes, and the activations outside the tensor-parallel region shrink
+by t. The activation model of that paper, per layer, with dropout and 2-byte
+activations:
+
+    no parallelism         S B h (34 + 5 a S / h)
+    tensor parallel        S B h (10 + 24 / t + 5 a S / (h t))
+    tensor + sequence      S B h (34 / t + 5 a S / (h t))
+    + selective recompute  drops the 5 a S / h term; full recompute keeps 2 S B h (the layer's input)
+"""
+from __future__ import annotations
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _positive(**values: float) -> None:
+    for name, v in values.items():
+        if v is None or v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+# ---- traffic ----------------------------------------------------------------------------------------
+
+def tp_block_bytes(tokens: float, d_model: int, t: int, *, bytes_per_element: float = 2,
+                   backward: bool = True) -> float:
+    """Bytes one rank sends per block per step with Megatron TP: all-reduces of T x h elements,
+    two forward (g after attention and after the MLP) and two backward (f before them), each
+    2(t-1)/t x S."""
+    _positive(tokens=tokens, d_model=d_model, t=t)
+    calls = 4 if backward else 2
+    return calls * 2 * (t - 1) / t * tokens * d_model * bytes_per_element
+
+
+def sp_block_bytes(tokens: float, d_model: int, t: int, *, bytes_per_element: float = 2,
+                   backward: bool = True, regather: bool = False) -> float:
+    """Bytes one rank sends per block per step with sequence parallelism.
+
+    Forward: an all-gather before attention and before the MLP, a reduce-scatter after each;
+    backward mirrors them (reduce-scatter, all-gather): 8 collectives of (t-1)/t x T h e, the
+    same bytes as TP's 4 all-reduces. `regather`: the column-parallel linears kept only their
+    input's shard and all-gather it again in backward (Megatron's choice): 2 all-gathers more.
+    """
+    _positive(tokens=tokens, d_model=d_model, t=t)
+    calls = (8 if backward else 4) + (2 if regather and backward else 0)
+    return calls * (t - 1) / t * tokens * d_model * bytes_per_element
+
+
+def sp_replicated_grad_bytes(d_model: int, t: int, *, bytes_per_element: float = 4, biases: bool = True) -> float:
+    """Under SP the parameters every rank holds whole but applies to its slice of the sequence only
+    get partial gradients, all-reduced once per step: the two LayerNorms (4h) and, when they are added
+    after the reduce-scatter (Megatron, the lab), the row-parallel linears' biases (2h). PyTorch's
+    `RowwiseParallel` adds its bias before the reduce-scatter: `biases=False`, 4h."""
+    _positive(d_model=d_model, t=t)
+    return 2 * (t - 1) / t * (6 if biases else 4) * d_model * bytes_per_element
+
+
+def zero3_block_bytes(params_per_block: float, world_size: int, *, bytes_per_param: float = 2) -> float:
+    """Bytes one rank sends per block per step under ZeRO-3 / FSDP: the weights gathered for
+    forward and again for backward, the gradients reduce-scattered: 3 x (N-1)/N x Ψ_block bytes."""
+    _positive(params_per_block=params_per_block, world_size=world_size)
+    n = world_size
+    return 3 * (n - 1) / n * params_per_block * bytes_per_param
+
+
+def zero3_tp_crossover_tokens(params_per_block: float, d_model: int, *, bytes_per_param: float = 2,
+                              bytes_per_element: float = 2) -> float:
+    """Tokens per step T* at which TP (t = N) and ZeRO-3 (N ranks) send the same bytes per block.
+
+    8(t-1)/t T h e = 3(N-1)/N Ψ_b p  =>  T* = 3 Ψ_b p / (8 h e). For Ψ_b ≈ 12h^2 and p = e that is
+    4.5 h tokens. Fewer tokens per step: TP sends less; more: ZeRO-3 sends less (its bytes do not
+    grow with the batch, TP's do).
+    """
+    _positive(params_per_block=params_per_block, d_model=d_model)
+    return 3 * params_per_block * bytes_per_param / (8 * d_model * bytes_per_element)
+
+
+def ring_attention_bytes(batch: float, seq: float, d_model: int, cp: int, *,
+                         bytes_per_element: float = 2) -> float:
+    """Bytes one rank sends in a ring-attention forward: cp-1 steps, each passing its current
+    K and V blocks (B x S/cp x h each) to the next rank: 2(cp-1)/cp x B S h e.
+    (Training adds a backward ring that passes K, V and their gradients again.)"""
+    _positive(batch=batch, seq=seq, d_model=d_model, cp=cp)
+    return 2 * (cp - 1) / cp * batch * seq * d_model * bytes_per_element
+
+
+def ulysses_bytes(batch: float, seq: float, d_model: int, cp: int, *, bytes_per_element: float = 2) -> float:
+    """Bytes one rank sends in an all-to-all (DeepSpeed-Ulysses) attention forward: Q, K, V go from
+    sequence shards to head shards and the output comes back, four all-to-alls, each sending
+    (cp-1)/cp of a rank's B x S/cp x h block: 4(cp-1)/cp^2 x B S h e (needs cp | heads)."""
+    _positive(batch=batch, seq=seq, d_model=d_model, cp=cp)
+    return 4 * (cp - 1) / cp ** 2 * batch * seq * d_model * bytes_per_element
+
+
+def tp_block_params_per_rank(d_model: int, t: int) -> float:
+    """Parameters one rank of a tensor-parallel group holds of a block (chapter 7's layout):
+    the split weights and the column-parallel biases, (12h^2 + 7h)/t, and whole on every rank the
+    two LayerNorms (4h) and the row-parallel biases (2h)."""
+    _positive(d_model=d_model, t=t)
+    h = d_model
+    return (12 * h * h + 7 * h) / t + 6 * h
+
+
+# ---- activations -----------------------------------------------------------------------------------
+
+def activation_bytes_per_layer(seq: float, batch: float, d_model: int, n_heads: int, *, t: int = 1,
+                               sp: bool = False, sp_keeps_shard: bool = True, recompute: str = "none",
+                               bytes_per_element: float = 2, dropout: bool = True, mask_bytes: float = 1,
+                               layernorm_stats: bool = False) -> float:
+    """Bytes one rank keeps for backward per transformer layer (Korthikanti et al., 2022, section 4).
+
+    Per layer, in units of S B h elements of e bytes: LayerNorm inputs 1 + 1 and outputs 1 + 1
+    (replicated across the t ranks; divided by t under SP), Q K V 3/t, the attention output 1/t,
+    the MLP's 4/t + 4/t; two dropout masks of S B h x `mask_bytes`; and per head an S x S score
+    matrix kept twice (softmax and dropout outputs) plus its mask: a S^2 B (2e + mask) / t.
+    With e = 2, mask 1: S B h (34 + 5 a S / h) for t = 1.
+
+    `sp_keeps_shard=False` models PyTorch's `SequenceParallel` + `ColwiseParallel`: the linears
+    keep the all-gathered (full) LayerNorm output, 2 S B h e per layer that Megatron's SP avoids by
+    gathering again in backward. `dropout=False`: no masks, and the softmax output is the tensor
+    attention multiplies V by (kept once: a S^2 B e / t). `layernorm_stats`: add each LayerNorm's
+    fp32 mean and 1/std per token (16 S B bytes per layer; the paper leaves them out).
+    `recompute`: "selective" recomputes the attention core (drops the S^2 term); "full" keeps only
+    the layer's input (S B h e, divided by t under SP).
+    """
+    _positive(seq=seq, batch=batch, d_model=d_model, n_heads=n_heads, t=t)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if d_model % n_heads:
+        raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
+    e, m = bytes_per_element, (mask_bytes if dropout else 0)
+    sbh = seq * batch * d_model
+    outside = t if sp else 1                       # what SP divides: LayerNorm, dropout, residual
+    if recompute == "full":
+        return sbh * e / outside
+    ln_inputs = 2 * e / outside
+    ln_outputs = 2 * e / (outside if sp_keeps_shard else 1)
+    masks = 2 * m / outside
+    inside = 12 * e / t                            # Q, K, V, attention output, MLP 4h + 4h
+    total = sbh * (ln_inputs + ln_outputs + masks + inside)
+    if recompute == "none":
+        total += n_heads * seq * seq * batch * ((2 * e + m) if dropout else e) / t
+    if layernorm_stats:
+        total += 2 * 2 * 4 * seq * batch / outside
+    return total
+
+
+def paper_coefficients(seq: float, d_model: int, n_heads: int, t: int = 1, sp: bool = False) -> tuple[float, float]:
+    """(c, d) with activation bytes per layer = S B h (c + d a S / h), e = 2, dropout on: (34, 5) at t = 1."""
+    per = activation_bytes_per_layer(seq, 1, d_model, n_heads, t=t, sp=sp, recompute="selective")
+    core = activation_bytes_per_layer(seq, 1, d_model, n_heads, t=t, sp=sp) - per
+    sbh = seq * d_model
+    return per / sbh, core / sbh / (n_heads * seq / d_model)
+
+
+# ---- time on a GPU cluster (arithmetic from nominal figures, not a measurement) --------------------
+
+def block_train_flops(tokens: float, seq: float, d_model: int) -> float:
+    """FLOPs of one block's forward + backward: 72 T h^2 (matmuls, 3x the forward's 24 T h^2)
+    + 12 T S h (attention scores and their product with V)."""
+    return 72 * tokens * d_model ** 2 + 12 * tokens * seq * d_model
+
+
+def ring_overlap_block_tokens(peak_flops: float, link_GBps: float, *, bytes_per_element: float = 2) -> float:
+    """Tokens per rank's block (S/cp) above which a ring-attention step computes longer than it
+    takes to pass its K and V blocks on: 4 B (S/cp)^2 h FLOPs against 2 B (S/cp) h e bytes, so
+    S/cp >= F e / (2 β). At peak FLOP/s; a real kernel reaches less, which only helps the overlap."""
+    return peak_flops * bytes_per_element / (2 * link_GBps * 1e9)
+
+
+def tp_comm_seconds(tokens: float, d_model: int, t: int, link_GBps: float, *, bytes_per_element: float = 2) -> float:
+    """Seconds one block's TP all-reduces take per step if they run at the link's bandwidth."""
+    return tp_block_bytes(tokens, d_model, t, bytes_per_element=bytes_per_element) / (link_GBps * 1e9)

@@ -1,0 +1,128 @@
+"""Chapter 8's graded checks reject wrong, cheating and hanging answers, not only missing ones."""
+from __future__ import annotations
+
+import time
+
+from labkit import answers, run
+
+LAB = "08_pipeline"
+
+# GPipe handed in as 1F1B: right values and messages, too many activations held.
+GPIPE_AS_1F1B = '''
+def one_f_one_b_step(stage, x, y, m, micro_batch):
+    return gpipe_step(stage, x, y, m, micro_batch)
+'''
+# The last rank computes the whole model itself: right logits, no pipeline.
+LOCAL_FORWARD = '''
+def pipeline_forward(stage, x, m, micro_batch):
+    from distlab.models import build_model
+    r, p = dist.get_rank(), dist.get_world_size()
+    if r != p - 1:
+        return None
+    model = build_model("tiny", seed=0, n_layers=4)
+    from distlab.models import synthetic_batch
+    xs, _ = synthetic_batch(0, m * micro_batch, model.config)
+    return model(xs)
+'''
+# Forgets to scale each micro-batch's loss by 1/m: gradients m times too large.
+UNSCALED = '''
+_stage_loss = stage_loss
+def stage_loss(logits, targets):
+    return _stage_loss(logits, targets) * 4
+'''
+# The last rank skips sending its last micro-batch's gradient: rank p-2 waits for ever.
+DEADLOCK = '''
+_p2p = p2p
+def p2p(sends=(), recvs=()):
+    r, p = dist.get_rank(), dist.get_world_size()
+    if r == p - 1 and sends and not recvs and dist.get_world_size() == 2:
+        return
+    _p2p(sends, recvs)
+'''
+# "Offload" that keeps the plain optimizer on the device.
+NOT_OFFLOADED = '''
+from distlab.precision import MixedPrecisionAdam
+class OffloadAdam(MixedPrecisionAdam):
+    pass
+'''
+# Copies the gradients to the host in step() instead of during the backward.
+LATE_GRADS = '''
+@distlab.add_to_class(OffloadAdam)
+def _grad_ready(self, p):
+    pass
+
+_step = OffloadAdam.step
+@distlab.add_to_class(OffloadAdam)
+def step(self):
+    for i, p in enumerate(self.params):
+        self.buffers[i].copy_(p.grad)
+        p.grad = None
+    _step(self)
+'''
+NO_WEIGHT_DECAY = '''
+_init = OffloadAdam.__init__
+def _no_decay(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    _init(self, params, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+OffloadAdam.__init__ = _no_decay
+'''
+
+
+def _lines(lines):
+    return [str(line) for line in lines]
+
+
+def test_the_stubs_fail_every_line(no_orphans):
+    # (tests/test_labs.py runs the whole unfilled lab; here, the verdict text.)
+    from distlab.checks.ch08 import TASKS
+    stub = answers(LAB, stub=True)
+    for name in ("forward", "offload_state"):
+        out = _lines(run(LAB, name, stub))
+        assert len(out) == len(TASKS[name].lines())
+        assert all(l.startswith("FAIL") and l.endswith("not implemented yet (NotImplementedError on a rank)")
+                   for l in out), out
+
+
+def test_gpipe_is_not_1f1b(no_orphans):
+    out = _lines(run(LAB, "1f1b", answers(LAB, replace={"one_f_one_b_step": GPIPE_AS_1F1B})))
+    by = {l.split(":")[0]: l for l in out}
+    assert by["PASS 1f1b, 2 stages, m=4, values"]
+    assert by["PASS 1f1b, 4 stages, m=6, messages"]
+    assert "FAIL 1f1b, 2 stages, m=4, activations" in by
+    assert by["FAIL 1f1b, 2 stages, m=4, activations"].endswith(
+        "1f1b holds at most 2: start each backward as soon as its gradient can arrive")
+    assert "FAIL 1f1b, 4 stages, m=6, activations" in by
+
+
+def test_a_forward_without_a_pipeline_fails_messages(no_orphans):
+    out = _lines(run(LAB, "forward", answers(LAB, replace={"pipeline_forward": LOCAL_FORWARD})))
+    assert out[0].startswith("PASS forward, 2 stages, m=2, values")
+    assert out[1] == ("FAIL forward, 2 stages, m=2, messages: rank 0 posted 0 sends and 0 receives; "
+                      "expected 2 and 0 (one message per micro-batch and direction)")
+
+
+def test_unscaled_losses_fail_values_with_a_hint(no_orphans):
+    out = _lines(run(LAB, "gpipe", answers(LAB, replace={"stage_loss": UNSCALED})))
+    assert out[0].startswith("FAIL gpipe, 2 stages, m=4, values: max |the last rank's loss - reference|")
+    assert out[2].startswith("PASS gpipe, 2 stages, m=4, messages")
+
+
+def test_a_missing_send_is_reported_in_seconds(no_orphans):
+    start = time.monotonic()
+    out = _lines(run(LAB, "gpipe", answers(LAB, replace={"p2p": DEADLOCK})))
+    assert time.monotonic() - start < 60
+    assert out[0].startswith("FAIL gpipe, 2 stages, m=4, values: hung: rank(s) [0] waited 5 s")
+    assert "(case: gpipe, 2 stages, m=4)" in out[0] and "every recv needs a send" in out[0]
+    assert out[3:] == [f"FAIL gpipe, 4 stages, m=6, {k}: not run: an earlier case (2 ranks) hung"
+                       for k in ("values", "activations", "messages")]
+
+
+def test_offload_rejects_a_device_optimizer_late_gradients_and_wrong_arithmetic(no_orphans):
+    plain = answers(LAB, replace={"OffloadAdam": NOT_OFFLOADED})
+    out = _lines(run(LAB, "offload_state", plain))
+    assert out[0].startswith("FAIL offload_state, host: the optimizer keeps 0.0 bytes per parameter off the model")
+    late = _lines(run(LAB, "offload_grads", answers(LAB, replace={"step": LATE_GRADS})))
+    assert late[0].startswith("FAIL offload_grads, streamed: step 0: 0 bytes went device -> host")
+    assert late[1].startswith("FAIL offload_grads, released: step 0: after the backward")
+    decay = _lines(run(LAB, "offload_step", answers(LAB, replace={"NO_WD": NO_WEIGHT_DECAY})))
+    assert decay[0].startswith("FAIL offload_step, values: max |parameter"), decay
+    assert decay[1].startswith("PASS offload_step, traffic")
