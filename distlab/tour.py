@@ -86,8 +86,7 @@ def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int, on_ce
         nb = nbformat.read(path, as_version=4)
         # Graded checks verify answers (tests and grading do that); they measure nothing.
         nb.cells = [c for c in nb.cells if not is_check_cell(c)]
-        # IPC transport: a local kernel needs no TCP port (and prints no warning about one).
-        km = KernelManager(kernel_name="python3", transport="ipc")
+        km = KernelManager(kernel_name="python3")
         NotebookClient(nb, km=km, timeout=None, resources={"metadata": {"path": str(path.parent)}},
                        on_cell_executed=(lambda **_: on_cell()) if on_cell else None).execute()
     finally:

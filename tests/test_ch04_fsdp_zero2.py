@@ -20,9 +20,10 @@ def _fsdp_step(track_mem: bool):
     from torch.distributed.fsdp import fully_shard
     preset = "small" if track_mem else "tiny"
     model = build_model(preset).to(torch.bfloat16)
+    mesh = distlab.mesh()   # on the rank's device type (required: see distlab.runtime.mesh)
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     opt = MixedPrecisionAdam(model.parameters(), lr=1e-3)
     x, y = split_batch(synthetic_batch(0, 8, PRESETS[preset]), distlab.rank(), distlab.world_size())
     if track_mem:  # one short sequence per rank: activations are far below the parameters
@@ -56,3 +57,23 @@ def test_track_memory_sees_fully_shard_unsharded_parameters():
     n, psi = 2, num_params(build_model("small"))
     for peak in distlab.launch(_fsdp_step, n, True):
         assert peak >= 2 * psi
+
+
+def _zero2_bytes(native: str):
+    # The lecture's fully_shard(reshard_after_forward=False) step, with the compute dtype forced:
+    # '0' = fp32 arithmetic on bf16 weights (CPUs without native bf16), '1' = bf16 arithmetic.
+    import os
+    os.environ["DISTLAB_NATIVE_BF16"] = native
+    from distlab.precision import compute_dtype
+    state, comm = _fsdp_step(False)
+    return compute_dtype(torch.bfloat16), state, comm
+
+
+def test_recorded_bytes_do_not_depend_on_the_compute_dtype():
+    # The lesson is the recipe's bytes: bf16 storage and traffic, whatever the arithmetic runs in.
+    fp32 = distlab.launch(_zero2_bytes, 2, "0")
+    bf16 = distlab.launch(_zero2_bytes, 2, "1")
+    assert [o[0] for o in fp32] == [torch.float32] * 2 and [o[0] for o in bf16] == [torch.bfloat16] * 2
+    for a, b in zip(fp32, bf16):
+        assert a[1] == b[1]                                   # model states, byte for byte
+        assert a[2].bytes == b[2].bytes and a[2].calls == b[2].calls   # algorithmic bytes per collective

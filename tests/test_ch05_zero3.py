@@ -1,51 +1,182 @@
-"""Chapter 5's graded checks catch wrong ZeRO-3 answers, not only missing ones.
+"""Chapter 5's graded tasks reject wrong, cheating and hanging ZeRO-3 answers;
+the package pieces the lab builds on (units, the overlap arithmetic) hold without ranks.
 
-The generic lab test (tests/test_labs.py) shows an unfilled lab fails every check. Here the
-solution's `ZeRO3` is run with one deliberate bug at a time:
-- it keeps the gathered unit after forward (no free, so no second all-gather): traffic must FAIL;
-- it sums gradients over ranks instead of averaging them: parameters must FAIL.
+Each test replaces one piece of the solution (`labkit.answers(..., replace=...)`) and runs the task it
+belongs to, on one world size where one is enough, asserting on the verdict lines themselves.
+That the unfilled lab's stubs fail every line is tests/test_labs.py's, for every lab.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import time
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+import torch
 
-from distlab.labs import is_check_cell
+from distlab.checks.ch05 import TASKS
+from distlab.models import build_model
+from distlab.theory import overlap
+from distlab.theory.hardware import A100, H100
+from distlab.units import Unit, block_units, direct_params, qualified_names, whole_model_unit
+from labkit import answer_sources, answers, run
 
-ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "solutions" / "05_zero3.ipynb"
-
-KEEP_AFTER_FORWARD = ("        self._free(unit)\n        # Backward reaches", "        # Backward reaches")
-SUM_NOT_MEAN = ("        flat.div_(self.n)", "        pass")
-
-
-def _checks_with_bug(bug: tuple[str, str], tmp_path: Path) -> str:
-    nb = nbformat.read(SOLUTION, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    zero3 = next(c for c in code if "class ZeRO3(" in c.source)
-    assert bug[0] in zero3.source, "the solution changed: update this test's bug"
-    zero3.source = zero3.source.replace(bug[0], bug[1])
-    units = next(c for c in code if "def block_units(" in c.source)
-    harness = next(c for c in code if "def exercise(" in c.source)
-    checks = [c for c in code if is_check_cell(c) and ("check_matches_single" in c.source or "check_traffic" in c.source)]
-    for c in checks:
-        c.outputs = []
-    run = nbformat.v4.new_notebook(cells=[code[0], units, zero3, harness, *checks], metadata=nb.metadata)
-    NotebookClient(run, timeout=300, kernel_name="python3", allow_errors=False,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    return "".join(o.get("text", "") for c in run.cells[-len(checks):] for o in c.outputs
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+LAB = "05_zero3"
 
 
-@pytest.mark.parametrize("bug, failing, passing", [
-    (KEEP_AFTER_FORWARD, "FAIL ZeRO3, 2 ranks: traffic per step", "PASS ZeRO3, 2 ranks, per-block units:"),
-    (SUM_NOT_MEAN, "FAIL ZeRO3, 2 ranks, per-block units:", "PASS ZeRO3, 2 ranks: traffic per step"),
-], ids=["keeps-unit-after-forward", "sums-gradients"])
-def test_checks_reject_wrong_zero3(bug, failing, passing, tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTLAB_QUICK", "1")
-    out = _checks_with_bug(bug, tmp_path)
-    assert failing in out, f"expected {failing!r} in:\n{out}"
-    assert passing in out, f"expected {passing!r} in:\n{out}"
+def _lines(lines):
+    return [str(line) for line in lines]
+
+
+def _case(task: str, ns, n: int):
+    """The verdict lines of one task's case on `n` ranks only (references cached as in run_task)."""
+    from distlab.checks.task import launch_exercise, reference_of, validate
+    t = TASKS[task]
+    case = next(c for c in t.cases() if c.world_size == n)
+    outputs = launch_exercise(t, case, tuple(getattr(ns, a) for a in t.answers))
+    validate(outputs)
+    return _lines(t.judge(case, outputs, reference_of(t, case)))
+
+
+# ---- no ranks ------------------------------------------------------------------------------------
+
+def test_block_units_cover_every_parameter_once_in_forward_order():
+    model = build_model("tiny", device="cpu")
+    units = block_units(model)
+    assert [type(m).__name__ for m in units[0]] == ["Embedding", "Embedding"]
+    assert [type(m).__name__ for m in units[-1]] == ["LayerNorm", "Linear"]
+    params = [p for mods in units for m in mods for _, _, p in direct_params(m)]
+    assert len(params) == len(list(model.parameters())) and len({id(p) for p in params}) == len(params)
+    assert whole_model_unit(model) == [[model]]
+    made = [Unit(i, mods) for i, mods in enumerate(units)]
+    for u in made:
+        u.names = [(o, n, p.shape, p.numel()) for m in u.modules for o, n, p in direct_params(m)]
+    assert qualified_names(model, made)[1][0] == "blocks.0.ln1.weight"
+
+
+def test_tokens_to_hide_is_f_over_beta_for_zero3_in_bf16():
+    # 6 Psi T / F >= 3 * 2 * Psi / beta  <=>  T >= F / beta (N -> infinity)
+    assert overlap.tokens_to_hide(H100, "nvlink") == pytest.approx(989e12 / 450e9)
+    assert overlap.tokens_to_hide(H100, "ib") == pytest.approx(989e12 / 50e9)
+    assert overlap.tokens_to_hide(H100, "ib") / overlap.tokens_to_hide(H100, "nvlink") == pytest.approx(H100.node_gap)
+    assert overlap.tokens_to_hide(A100, "nvlink", utilisation=0.5, world_size=8) == pytest.approx(
+        0.5 * 312e12 / 300e9 * 7 / 8)
+    assert overlap.tokens_to_hide(H100, "nvlink", passes=2) == pytest.approx(2 / 3 * 989e12 / 450e9)  # DDP, ZeRO-1/2
+    compute, comm = overlap.seconds(7.5e9, overlap.tokens_to_hide(H100, "ib", world_size=64), 64, H100, "ib")
+    assert compute == pytest.approx(comm)
+    with pytest.raises(ValueError):
+        overlap.tokens_to_hide(H100, "pcie")
+
+
+# ---- wrong, cheating and hanging answers ------------------------------------------------------------
+
+def _class_with(old: str, new: str) -> str:
+    src = answer_sources(LAB)[0]
+    assert old in src, "the solution changed: update this test"
+    return src.replace(old, new)
+
+
+def test_a_skipped_broadcast_is_reported_as_a_hang_in_seconds(no_orphans):
+    # Rank 1 skips the broadcast of the last unit: rank 0 waits for it forever.
+    hang = _class_with("            dist.broadcast(full, src=0)",
+                       "            if self.rank != 1 or unit.index < len(self.units) - 1:\n"
+                       "                dist.broadcast(full, src=0)")
+    start = time.monotonic()
+    out = _lines(run(LAB, "shard", answers(LAB, replace={"ZeRO3": hang})))
+    assert time.monotonic() - start < 90
+    assert out[0].startswith("FAIL shard, 2 ranks: rank r keeps slice r of rank 0's weights, unit by unit: "
+                             "hung: rank(s) [0]"), out
+    assert "(case: ZeRO3(model) on 2 ranks, per-block units)" in out[0] and "rank 0 waits in __init__ (" in out[0]
+    assert "every rank must gather and reduce-scatter the same units in the same order" in out[0]
+    assert all(line.endswith("not run: an earlier case (2 ranks) hung") for line in out[2:]), out
+
+
+def test_own_weights_instead_of_rank_0s_fail_the_values(no_orphans):
+    ns = answers(LAB, replace={"ZeRO3": _class_with("            dist.broadcast(full, src=0)", "            pass")})
+    out = _case("shard", ns, 2)
+    assert out[0].startswith("FAIL shard, 2 ranks: rank r keeps slice r of rank 0's weights, unit by unit: "
+                             "max |rank 1's shard of unit 0 - reference|"), out
+    assert out[1].startswith("FAIL shard, 2 ranks: nothing else (the module's parameters freed): rank 0: "
+                             "construction called {}"), out
+
+
+NO_FREE = '''
+@distlab.add_to_class(ZeRO3)
+def _free(self, unit):
+    pass            # forgot to drop unit.full: every unit stays gathered
+'''
+
+
+def test_units_kept_after_forward_fail_the_gather_line(no_orphans):
+    out = _case("forward", answers(LAB, replace={"_free": NO_FREE}), 2)
+    assert out[0].startswith("PASS forward, 2 ranks: the same logits as one process"), out
+    assert out[1].startswith("FAIL forward, 2 ranks: one all-gather per unit, freed after use: rank 0: after "
+                             "forward 4 unit(s) still gathered"), out
+
+
+KEEP_SAVED = '''
+@distlab.add_to_class(ZeRO3)
+def _pack(self, t):
+    return t        # autograd keeps the gathered weights alive until backward
+'''
+
+
+def test_weights_kept_by_autograd_fail_the_regather_line(no_orphans):
+    out = _case("backward", answers(LAB, replace={"_pack": KEEP_SAVED}), 2)
+    assert out[0].startswith("PASS backward, 2 ranks: every unit's gradient"), out
+    assert out[1].startswith("FAIL backward, 2 ranks: gathered again for backward, not kept by autograd: rank 0: "
+                             "between forward and backward autograd kept"), out
+
+
+def _step4(old: str, new: str) -> str:
+    src = answer_sources(LAB)[3]
+    assert old in src, "the solution changed: update this test"
+    return src.replace(old, new)
+
+
+ALL_REDUCE = '''
+@distlab.add_to_class(ZeRO3)
+def _reduce_scatter(self, unit, grads):
+    self._free(unit)
+    flat = torch.zeros(unit.padded, dtype=self.gather_dtype, device=unit.shard.device)
+    offset = 0
+    for (_, _, _, k), g in zip(unit.names, grads):
+        if g is not None:
+            flat[offset:offset + k].copy_(g.reshape(-1))
+        offset += k
+    dist.all_reduce(flat)                      # the whole gradient on every rank: 2x the bytes
+    per = unit.padded // self.n
+    g = flat[self.rank * per:(self.rank + 1) * per] / self.n
+    unit.shard.grad = g if unit.shard.grad is None else unit.shard.grad + g
+'''
+
+
+@pytest.mark.parametrize("replace, failing, passing", [
+    ({"_reduce_scatter": _step4("    flat.div_(self.n)\n", "")}, [0, 1], [2, 3]),      # a sum, not a mean
+    ({"_reduce_scatter": ALL_REDUCE}, [2], [0, 1]),                                     # cheap to write, 2x bytes
+], ids=["sums-gradients", "all-reduce"])
+def test_train_rejects_wrong_values_and_wrong_collectives(replace, failing, passing, no_orphans):
+    out = _case("train", answers(LAB, replace=replace), 2)
+    assert all(out[i].startswith("FAIL ") for i in failing), out
+    assert all(out[i].startswith("PASS ") for i in passing), out
+
+
+def test_no_prefetch_fails_the_order_not_the_values(no_orphans):
+    src = '@distlab.add_to_class(ZeRO3)\ndef _prefetch(self, unit, direction):\n    pass\n'
+    out = _case("prefetch", answers(LAB, replace={"_prefetch": src}), 2)
+    assert out[0].startswith("PASS prefetch, 2 ranks: matches one process, same traffic"), out
+    assert out[1].startswith("FAIL prefetch, 2 ranks: the next unit's all-gather starts before this unit computes: "
+                             "rank 0: in forward, unit 1's all-gather started after unit 0 began computing"), out
+
+
+FP32_WIRE = '''
+@distlab.add_to_class(ZeRO3)
+def _start_gather(self, unit):
+    if unit.full is not None or unit.pending is not None:
+        return
+    buf = torch.empty(unit.padded, dtype=torch.float32, device=unit.shard.device)   # ignores gather_dtype
+    unit.pending = (all_gather_tensor(buf, unit.shard.detach(), async_op=True), buf)
+'''
+
+
+def test_fp32_gathers_fail_the_bf16_wire_line(no_orphans):
+    out = _lines(run(LAB, "bf16", answers(LAB, replace={"_start_gather": FP32_WIRE})))
+    assert out[0].startswith("FAIL bf16, 2 ranks: bf16 on the wire, 3Ψ·2·(N-1)/N: rank 0: "), out

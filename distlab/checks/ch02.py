@@ -1,0 +1,291 @@
+"""Lab 2's graded tasks: naive, overlapped and bucketed data parallelism.
+
+Each wrapper task trains the `"frozen"` and the `"tied"` model
+(`distlab.dp_models`) for four SGD steps on 2 and on 4 ranks and returns the
+parameters and one step's collectives, counted by the comm meter in two
+windows: during `backward()` and during `finish_gradient_synchronization()`.
+On 2 ranks it first wraps a model built from a different seed on every rank.
+The verdict lines:
+
+- initial broadcast: after wrapping, every rank holds rank 0's weights;
+- N ranks, frozen / tied weights: the parameters match one process on the
+  whole batch (computed here, without learner code);
+- N ranks, collectives and bytes: only all-reduces, one per trainable
+  parameter (naive, overlapped) or per bucket (bucketed), issued during
+  backward where the rung overlaps, 2Ψ·4·(N-1)/N algorithmic bytes in all.
+
+`bucket_layout` looks at `BucketedDDP.__init__` alone: which parameters share
+a bucket, in which order, and where each gradient view sits in the flat buffer.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+import distlab
+from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.verdict import CheckFailed, compare, expect
+from distlab.dp_models import make_model, sgd, train_single, trainable
+from distlab.meters import track_comm
+from distlab.models import PRESETS, lm_loss, split_batch, synthetic_batch
+from distlab.theory import comm_bytes_per_rank
+
+# What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
+PRELUDE = """\
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab import add_to_class
+from distlab.ddp_support import Bucket"""
+
+STEPS, BATCH = 4, 8            # BATCH splits evenly over 2 and 4 ranks
+BUCKET_MB = 0.02               # several buckets even on the 34k-parameter model
+SEED_OFFSET = 100              # rank r builds its first model from seed 100 + r
+TOL = dict(atol=1e-5, rtol=1e-4)  # fp32 SGD: summation order only
+
+HANG_HINT = ("Data parallelism hangs when the ranks do not issue the same collectives in the same order: "
+             "every rank must all-reduce the same tensors (same sizes), and a bucket must not wait for a "
+             "parameter that never gets a gradient (a frozen one).")
+
+
+def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+class WrapperTask(Task):
+    """One rung: `NaiveDDP`, `OverlappedDDP` or `BucketedDDP`, trained end to end."""
+
+    hang_hint = HANG_HINT
+
+    def __init__(self, name: str, answer: str, *, per: str, overlaps: bool, kwargs: dict | None = None) -> None:
+        self.name, self.answers, self.cls = name, (answer,), answer
+        self.per, self.overlaps, self.kwargs = per, overlaps, dict(kwargs or {})
+
+    def cases(self) -> list[Case]:
+        c = self.cls
+        return [Case(2, (f"{c}: initial broadcast from rank 0", f"{c}, 2 ranks, frozen weights",
+                         f"{c}, 2 ranks, tied weights", f"{c}, 2 ranks: collectives and bytes"),
+                     {"broadcast": True}),
+                Case(4, (f"{c}, 4 ranks, frozen weights", f"{c}, 4 ranks, tied weights",
+                         f"{c}, 4 ranks: collectives and bytes"))]
+
+    # -- on every rank, with the learner's class ---------------------------------------------------
+    def exercise(self, case: Case, Wrapper: Any) -> dict:
+        r, n = distlab.rank(), distlab.world_size()
+        out: dict = {}
+        if case.args.get("broadcast"):
+            distlab.runtime.progress(f"{self.cls}({n} ranks): the broadcast at construction")
+            start = make_model("plain", seed=SEED_OFFSET + r)     # every rank starts different ...
+            Wrapper(start, **self.kwargs)                          # ... until the broadcast
+            out["broadcast"] = _named(start)
+        for variant in ("frozen", "tied"):
+            distlab.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights: wrapping the model")
+            model = make_model(variant)
+            ddp = Wrapper(model, **self.kwargs)
+            opt = sgd(p for _, p in trainable(model))
+            for step in range(STEPS):
+                distlab.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights, step {step}")
+                x, y = split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
+                metered = step == 0   # the meter costs Python time per op: one step is enough
+                with track_comm() if metered else nullcontext() as in_backward:
+                    lm_loss(ddp, x, y).backward()
+                with track_comm() if metered else nullcontext() as in_finish:
+                    ddp.finish_gradient_synchronization()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if metered:
+                    out[variant, "comm"] = (in_backward.stats(), in_finish.stats())
+                    out[variant, "buckets"] = len(getattr(ddp, "buckets", None) or [])
+            out[variant] = _named(model)
+        return out
+
+    # -- here, without learner code ----------------------------------------------------------------
+    def reference(self, case: Case) -> dict:
+        return _wrapper_reference()
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        n, lines = case.world_size, list(case.lines)
+        verdicts = []
+        if case.args.get("broadcast"):
+            verdicts.append(judged(lines.pop(0), lambda: _same_as_rank0(outputs, reference["broadcast"])))
+        for variant in ("frozen", "tied"):
+            verdicts.append(judged(lines.pop(0), lambda v=variant: _matches(outputs, reference[v], v)))
+        verdicts.append(judged(lines.pop(0), lambda: self._traffic(outputs, reference, n)))
+        return verdicts
+
+    def _traffic(self, outputs: list, reference: dict, n: int, variant: str = "frozen") -> str:
+        psi, params = reference[variant, "psi"], reference[variant, "trainable"]
+        want = round(comm_bytes_per_rank(psi, n, stage=0, bytes_per_element=4))   # fp32 gradients
+        for r, out in enumerate(outputs):
+            in_backward, in_finish = out[variant, "comm"]
+            calls = {k: in_backward.calls.get(k, 0) + in_finish.calls.get(k, 0)
+                     for k in set(in_backward.calls) | set(in_finish.calls)}
+            others = {k: v for k, v in calls.items() if k != "all_reduce"}
+            expect(not others, f"rank {r}: unexpected collectives during the step: {others}")
+            got = calls.get("all_reduce", 0)
+            if self.per == "bucket":
+                buckets = out[variant, "buckets"]
+                expect(buckets > 1, f"rank {r}: expected several buckets of {BUCKET_MB} MiB, found {buckets}")
+                expect(got == buckets, f"rank {r}: {got} all-reduces for {buckets} buckets: one per bucket")
+            else:
+                expect(got == params, f"rank {r}: {got} all-reduces, expected one per trainable parameter "
+                                      f"({params})")
+            if self.overlaps:
+                late = in_finish.calls.get("all_reduce", 0)
+                expect(late == 0, f"rank {r}: {late} of {got} all-reduces started in "
+                                  "finish_gradient_synchronization(); launch them from the hooks, during backward")
+            sent = in_backward.total_bytes + in_finish.total_bytes
+            # Each all-reduce's bytes are rounded on their own: allow one byte per call.
+            expect(abs(sent - want) <= got,
+                   f"rank {r}: sent {sent} algorithmic bytes, expected 2*Psi*4*(N-1)/N = {want}")
+        when = ", all launched during backward" if self.overlaps else ""
+        return f"one all-reduce per {self.per}{when}, 2*Psi*4*(N-1)/N bytes"
+
+
+@functools.lru_cache(maxsize=1)
+def _wrapper_reference() -> dict:
+    """What every wrapper task compares with (the same for all three rungs and both world sizes)."""
+    ref: dict = {"broadcast": _named(make_model("plain", seed=SEED_OFFSET, device="cpu"))}
+    for variant in ("frozen", "tied"):
+        ref[variant] = train_single(variant, sgd, steps=STEPS, batch_size=BATCH)
+        params = [p for _, p in trainable(make_model(variant, device="cpu"))]
+        ref[variant, "trainable"] = len(params)
+        ref[variant, "psi"] = sum(p.numel() for p in params)
+    return ref
+
+
+def _same_as_rank0(outputs: list, want: dict) -> str:
+    for r, out in enumerate(outputs):
+        got = out["broadcast"]
+        expect(got.keys() == want.keys(), f"rank {r} returned different parameter names")
+        for k in want:
+            compare(got[k], want[k], atol=0, rtol=0, what=f"rank {r}'s {k}")
+    return "every rank holds rank 0's weights"
+
+
+def _matches(outputs: list, want: dict, variant: str) -> str:
+    for r, out in enumerate(outputs):
+        got = out[variant]
+        expect(got.keys() == want.keys(), f"rank {r} returned different parameter names")
+        for k in want:
+            compare(got[k], want[k], what=f"rank {r}'s {k}", **TOL)
+    return "matches one process on the full batch"
+
+
+class BucketLayoutTask(Task):
+    """`BucketedDDP.__init__` only: buckets in backward order, closed at the size limit, views in place."""
+
+    name, answers = "bucket_layout", ("BucketedDDP",)
+    hang_hint = HANG_HINT
+
+    def cases(self) -> list[Case]:
+        return [Case(2, ("BucketedDDP.__init__: buckets in backward order, closed at 0.02 MiB",
+                         "BucketedDDP.__init__: gradient views inside each bucket's flat buffer",
+                         "BucketedDDP.__init__: starts from rank 0's weights"))]
+
+    def exercise(self, case: Case, Wrapper: Any) -> dict:
+        out: dict = {}
+        for variant in ("frozen", "tied"):
+            distlab.runtime.progress(f"BucketedDDP.__init__, {distlab.world_size()} ranks, {variant} weights")
+            model = make_model(variant, seed=SEED_OFFSET + distlab.rank())
+            names = {id(p): k for k, p in model.named_parameters()}
+            ddp = Wrapper(model, bucket_size_mb=BUCKET_MB)
+            out[variant] = {
+                "buckets": [[names.get(id(p), "(not a parameter of the model)") for p in b.params]
+                            for b in ddp.buckets],
+                "flat": [(b.flat.numel(), b.flat.dtype, str(b.flat.device), b.flat.untyped_storage().data_ptr())
+                         for b in ddp.buckets],
+                "views": [[(v.data_ptr() - b.flat.data_ptr(), tuple(v.shape), v.untyped_storage().data_ptr())
+                           for v in b.views] for b in ddp.buckets],
+                "param_device": str(next(model.parameters()).device),
+                "params": _named(model),
+            }
+        return out
+
+    def reference(self, case: Case) -> dict:
+        ref: dict = {}
+        limit = BUCKET_MB * 2**20
+        for variant in ("frozen", "tied"):
+            model = make_model(variant, device="cpu")
+            buckets, group, size = [], [], 0
+            for k, p in reversed(trainable(model)):
+                group.append((k, tuple(p.shape), p.numel()))
+                size += p.numel() * p.element_size()
+                if size >= limit:
+                    buckets.append(group)
+                    group, size = [], 0
+            if group:
+                buckets.append(group)
+            ref[variant] = {"buckets": buckets, "params": _named(make_model(variant, seed=SEED_OFFSET, device="cpu"))}
+        return ref
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        order, views, start = case.lines
+
+        def layout() -> str:
+            for variant in ("frozen", "tied"):
+                want = [[k for k, _, _ in b] for b in reference[variant]["buckets"]]
+                for r, out in enumerate(outputs):
+                    got = out[variant]["buckets"]
+                    flat_got, flat_want = [k for b in got for k in b], [k for b in want for k in b]
+                    expect(sorted(flat_got) == sorted(flat_want),
+                           f"{variant} weights, rank {r}: the buckets hold {sorted(set(flat_got) ^ set(flat_want)) or 'duplicates'}"
+                           " wrongly: every trainable parameter exactly once, no frozen one")
+                    expect(flat_got == flat_want, f"{variant} weights, rank {r}: parameters are not in the order "
+                                                  "backward produces them (reverse of module.parameters())")
+                    expect(got == want, f"{variant} weights, rank {r}: {len(got)} buckets of "
+                                        f"{[len(b) for b in got]} parameters, expected {len(want)} of "
+                                        f"{[len(b) for b in want]}: close a bucket once it holds >= {BUCKET_MB} MiB")
+            return f"{len(reference['frozen']['buckets'])} and {len(reference['tied']['buckets'])} buckets, " \
+                   "each trainable parameter once"
+
+        def in_place() -> str:
+            # Judged on the learner's own grouping (the layout line judges the grouping itself).
+            for variant in ("frozen", "tied"):
+                shapes = {k: (shape, m) for b in reference[variant]["buckets"] for k, shape, m in b}
+                for r, out in enumerate(outputs):
+                    o = out[variant]
+                    expect(len(o["flat"]) == len(o["buckets"]) == len(o["views"]),
+                           f"{variant}, rank {r}: {len(o['buckets'])} buckets but {len(o['flat'])} flat buffers")
+                    for i, (names, (numel, dtype, device, storage)) in enumerate(zip(o["buckets"], o["flat"])):
+                        expect(all(k in shapes for k in names), f"{variant}, rank {r}: bucket {i} holds a parameter "
+                                                                "that gets no gradient")
+                        want = sum(shapes[k][1] for k in names)
+                        expect(numel == want, f"{variant}, rank {r}: bucket {i}'s flat buffer has {numel} elements, "
+                                              f"its parameters {want}")
+                        expect(dtype == torch.float32, f"bucket {i}'s buffer is {dtype}, the gradients are float32")
+                        expect(device == o["param_device"], f"bucket {i}'s buffer is on {device}, the parameters "
+                                                            f"on {o['param_device']}")
+                        expect(len(o["views"][i]) == len(names), f"bucket {i} has {len(o['views'][i])} views for "
+                                                                 f"{len(names)} parameters")
+                        offset = 0
+                        for k, (at, vshape, vstorage) in zip(names, o["views"][i]):
+                            shape, m = shapes[k]
+                            expect(vstorage == storage and at == 4 * offset and vshape == shape,
+                                   f"{variant}, rank {r}: the view of {k} is not its slice of bucket {i}'s flat "
+                                   f"buffer (offset {offset}, shape {shape})")
+                            offset += m
+            return "each gradient's view is its slice of the flat buffer"
+
+        def broadcast() -> str:
+            for variant in ("frozen", "tied"):
+                for r, out in enumerate(outputs):
+                    for k, want in reference[variant]["params"].items():
+                        compare(out[variant]["params"][k], want, atol=0, rtol=0, what=f"rank {r}'s {k}")
+            return "every rank holds rank 0's weights"
+
+        return [judged(order, layout), judged(views, in_place), judged(start, broadcast)]
+
+
+TASKS = {t.name: t for t in (
+    WrapperTask("naive", "NaiveDDP", per="trainable parameter", overlaps=False),
+    WrapperTask("overlapped", "OverlappedDDP", per="trainable parameter", overlaps=True),
+    BucketLayoutTask(),
+    WrapperTask("bucketed", "BucketedDDP", per="bucket", overlaps=True, kwargs={"bucket_size_mb": BUCKET_MB}),
+)}
+
+grade = grader(TASKS)

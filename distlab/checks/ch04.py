@@ -1,0 +1,520 @@
+"""Lab 4's graded tasks: ZeRO-2 built in four steps, then its memory.
+
+1. `buckets` — `make_buckets(params, bucket_size_mb, world_size)`: every
+   trainable parameter once, in backward order; sizes, padding, offsets.
+2. `construct` — `ZeRO2.__init__`: the flat parameter buffer, rank 0's
+   weights broadcast, rank r owning chunk r of every bucket.
+3. `backward` — `_on_grad` / `_retire`: during backward, one asynchronous
+   reduce-scatter per bucket, launched as soon as the bucket's last gradient
+   is final; every `p.grad` freed; the summed gradient chunks right.
+4. `step` — `step` / `zero_grad`: the same parameters as one process on the
+   whole batch (SGD, AdamW, bf16 + MixedPrecisionAdam; frozen and tied
+   weights); optimizer state sharded; only reduce-scatters in backward and
+   as many all-gathers in the step, 2Ψb(N-1)/N algorithmic bytes in all.
+5. `memory` — no new code: held bytes at a step boundary are exactly
+   2Ψ + 14Ψ/N (bf16 + MixedPrecisionAdam), and the memory meter's peak never
+   holds a full-size gradient.
+
+References are computed here, in the process that judges, from the same
+seeded models and batches, never by the learner's code.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab.buckets import describe
+from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.verdict import CheckFailed, compare, expect
+from distlab.meters import held_bytes, model_state, track_comm, track_memory
+from distlab.models import PRESETS, build_model, lm_loss, split_batch, synthetic_batch
+from distlab.precision import MixedPrecisionAdam
+from distlab.theory import comm_bytes_per_rank
+
+# What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
+PRELUDE = """\
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab.buckets import GradBucket
+from distlab.collectives import all_gather_tensor"""
+
+VARIANTS = ("plain", "frozen", "tied")
+STEPS, BATCH, BUCKET_MB = 4, 8, 0.02   # 0.02 MiB: several buckets even on the 34k-parameter 'tiny' model
+# As in chapter 3: AdamW with eps=1e-6 so that rounding noise in near-zero gradients is not blown up
+# to lr-sized steps; SGD catches a missing 1/N; the bf16 recipe is the course's (K = 12).
+RECIPES = {
+    "SGD": (torch.optim.SGD, dict(lr=0.5, momentum=0.9), torch.float32),
+    "AdamW": (torch.optim.AdamW, dict(lr=1e-3, eps=1e-6), torch.float32),
+    "MixedPrecisionAdam": (MixedPrecisionAdam, dict(lr=1e-3, eps=1e-6), torch.bfloat16),
+}
+TOL = {"SGD": (1e-4, 1e-4), "AdamW": (1e-4, 1e-4), "MixedPrecisionAdam": (1e-2, 1.6e-2)}
+# (recipe, weights) trained by the `step` task: each recipe, each variant, every check's needs.
+CONFIGS = (("SGD", "tied"), ("AdamW", "frozen"), ("MixedPrecisionAdam", "tied"))
+CONFIGS_4 = (("SGD", "tied"), ("MixedPrecisionAdam", "tied"))   # on 4 ranks: the N-dependent part, cheaper
+HANG = ("ZeRO-2 hangs when ranks issue different collectives: every rank must build the same buckets "
+        "and reduce-scatter them in the same order, and wait for (retire) every reduce-scatter it launched.")
+
+
+def variant_model(variant: str = "plain", preset: str = "tiny", dtype: torch.dtype = torch.float32,
+                  seed: int = 0, device: Any = None, **overrides: Any) -> torch.nn.Module:
+    """The course model, 'plain', 'frozen' (the position embedding gets no gradient) or 'tied'
+    (the output head IS the token embedding), in `dtype`, on `device` (default: the rank's)."""
+    model = build_model(preset, seed=seed, tie_weights=(variant == "tied"), device=device, **overrides).to(dtype)
+    if variant == "frozen":
+        model.pos.weight.requires_grad_(False)
+    return model
+
+
+def _names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _trainable(model: torch.nn.Module) -> list[tuple[str, int, int]]:
+    """(name, numel, element size) of the trainable parameters, in parameters() order, once each."""
+    return [(n, p.numel(), p.element_size()) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.named_parameters()}
+
+
+def _rank_batch(step: int, n: int, r: int, preset: str = "tiny", batch: int = BATCH, device: Any = None):
+    return split_batch(synthetic_batch(step, batch, PRESETS[preset], device=device), r, n)
+
+
+# ---- 1. make_buckets ---------------------------------------------------------------------------
+
+BUCKET_SIZES = (0.004, 0.02, 0.1)
+BUCKET_WORLDS = (1, 2, 3, 4, 8)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class BucketsTask(Task):
+    name, answers = "buckets", ("make_buckets",)
+    hang_hint = "make_buckets needs no collective: call none."
+
+    def cases(self) -> list[Case]:
+        return [Case(1, ("buckets: every trainable parameter once, in backward order",
+                         "buckets: sizes, padding and offsets"))]
+
+    def exercise(self, case: Case, make_buckets: Any) -> dict:
+        out = {}
+        for variant in VARIANTS:
+            for dtype in DTYPES:
+                model = variant_model(variant, dtype=dtype)
+                names = _names(model)
+                for mb in BUCKET_SIZES:
+                    for n in BUCKET_WORLDS:
+                        distlab.runtime.progress(f"make_buckets: {variant} model, {dtype}, {mb} MiB, N={n}")
+                        out[variant, str(dtype), mb, n] = describe(make_buckets(model.parameters(), mb, n), names)
+        return out
+
+    def reference(self, case: Case) -> dict:
+        return {(v, str(d)): _trainable(variant_model(v, dtype=d, device="cpu")) for v in VARIANTS for d in DTYPES}
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        out = outputs[0]
+        order_line, size_line = case.lines
+
+        def where(key: tuple) -> str:
+            variant, dtype, mb, n = key
+            return f"{variant} model, {dtype.replace('torch.', '')}, bucket_size_mb={mb}, N={n}"
+
+        def order() -> str:
+            for (variant, dtype), trainable in reference.items():
+                want = [name for name, _, _ in reversed(trainable)]
+                for mb in BUCKET_SIZES:
+                    for n in BUCKET_WORLDS:
+                        key = (variant, dtype, mb, n)
+                        got = [name for b in out[key] for name in b["params"]]
+                        if got != want:
+                            raise CheckFailed(f"{where(key)}: the buckets hold {_short(got)}; expected every trainable "
+                                              f"parameter once, in reverse order of parameters(): {_short(want)}")
+            return "frozen ones left out, a tied one once, reverse order of parameters()"
+
+        def sizes() -> str:
+            for (variant, dtype), trainable in reference.items():
+                nbytes = {name: k * e for name, k, e in trainable}
+                numel = {name: k for name, k, _ in trainable}
+                for mb in BUCKET_SIZES:
+                    limit = mb * 2**20
+                    for n in BUCKET_WORLDS:
+                        key = (variant, dtype, mb, n)
+                        start = 0
+                        for i, b in enumerate(out[key]):
+                            names = b["params"]
+                            at = f"{where(key)}, bucket {i}"
+                            offsets = [sum(numel[m] for m in names[:j]) for j in range(len(names))]
+                            used = sum(numel[m] for m in names)
+                            expect(b["offsets"] == offsets, f"{at}: offsets {b['offsets']}, expected {offsets}")
+                            expect(b["used"] == used, f"{at}: used {b['used']}, expected {used}")
+                            expect(b["numel"] == -(-used // n) * n and b["chunk"] * n == b["numel"],
+                                   f"{at}: numel {b['numel']}, chunk {b['chunk']}: pad {used} up to a multiple of N")
+                            expect(b["start"] == start, f"{at}: starts at {b['start']}, expected {start} "
+                                   "(right after the previous bucket)")
+                            start += b["numel"]
+                            size = sum(nbytes[m] for m in names)
+                            expect(size - nbytes[names[-1]] < limit, f"{at}: holds {size} B and was already "
+                                   f"{size - nbytes[names[-1]]} B before its last parameter: close a bucket as soon "
+                                   f"as it reaches {limit:.0f} B")
+                            expect(i == len(out[key]) - 1 or size >= limit,
+                                   f"{at}: closed at {size} B, below bucket_size_mb ({limit:.0f} B)")
+            return "buckets close at bucket_size_mb, padded to a multiple of N, laid out one after another"
+
+        return [judged(order_line, order), judged(size_line, sizes)]
+
+
+def _short(names: list[str]) -> str:
+    return str(names) if len(names) <= 6 else f"[{', '.join(names[:3])}, ... {len(names)} in all]"
+
+
+# ---- 2. ZeRO2.__init__ ---------------------------------------------------------------------------
+
+class ConstructTask(Task):
+    name, answers, hang_hint = "construct", ("ZeRO2",), HANG
+
+    def cases(self) -> list[Case]:
+        return [Case(n, (f"construct, {n} ranks: every rank starts from rank 0's weights",
+                         f"construct, {n} ranks: one flat buffer, rank r owns chunk r of every bucket"))
+                for n in (2, 4)]
+
+    def exercise(self, case: Case, ZeRO2: Any) -> dict:
+        r, out = distlab.rank(), {}
+        for variant in VARIANTS:
+            distlab.runtime.progress(f"ZeRO2(...) on the {variant} model, {case.world_size} ranks")
+            model = variant_model(variant, seed=100 + r)     # every rank starts with different weights
+            names = _names(model)
+            with track_comm() as comm:
+                opt = ZeRO2(model.parameters(), torch.optim.SGD, bucket_size_mb=BUCKET_MB, lr=0.1)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            flat = trainable[0].untyped_storage()
+            out[variant] = {
+                "params": _params(model), "comm": comm.stats(), "buckets": describe(opt.buckets, names),
+                "storages": len({p.untyped_storage().data_ptr() for p in trainable}),
+                "flat_numel": flat.nbytes() // trainable[0].element_size(),
+                "inner": [(q.untyped_storage().data_ptr() == flat.data_ptr(), q.storage_offset(), q.numel())
+                          for g in opt.optim.param_groups for q in g["params"]],
+                "grad_shards": [(b.grad_shard.numel(), str(b.grad_shard.dtype), b.grad_shard.device == trainable[0].device)
+                                for b in opt.buckets],
+            }
+        return out
+
+    def reference(self, case: Case) -> dict:
+        return {variant: [_params(variant_model(variant, seed=100 + r, device="cpu")) for r in range(case.world_size)]
+                for variant in VARIANTS}
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        n = case.world_size
+        weights_line, layout_line = case.lines
+
+        def weights() -> str:
+            for r, out in enumerate(outputs):
+                for variant in VARIANTS:
+                    o, rank0, mine = out[variant], reference[variant][0], reference[variant][r]
+                    other = sorted(set(o["comm"].calls) - {"broadcast"})
+                    expect(not other, f"rank {r}, {variant} model: construction called {other}; only broadcast")
+                    expect(o["comm"].calls.get("broadcast", 0) >= 1, f"rank {r}, {variant} model: no broadcast")
+                    for k, want in rank0.items():
+                        frozen = variant == "frozen" and k == "pos.weight"
+                        try:
+                            compare(o["params"][k], mine[k] if frozen else want, atol=0, rtol=0,
+                                    what=f"rank {r}'s {k}")
+                        except CheckFailed as exc:
+                            raise CheckFailed(f"{variant} model: {exc}" + (
+                                " (a frozen parameter stays as it was)" if frozen else " (rank 0's weights: broadcast)"))
+            return "trainable parameters broadcast from rank 0, frozen ones untouched"
+
+        def layout() -> str:
+            for r, out in enumerate(outputs):
+                for variant in VARIANTS:
+                    o, at = out[variant], f"rank {r}, {variant} model"
+                    total = sum(b["numel"] for b in o["buckets"])
+                    expect(o["storages"] == 1 and o["flat_numel"] == total,
+                           f"{at}: the trainable parameters live in {o['storages']} storage(s) of "
+                           f"{o['flat_numel']} elements; expected views of one flat buffer of {total}")
+                    want = [(True, b["start"] + r * b["chunk"], b["chunk"]) for b in o["buckets"]]
+                    expect(o["inner"] == want, f"{at}: the inner optimizer holds (in flat buffer, offset, numel) "
+                           f"{o['inner'][:4]}...; expected chunk r of every bucket: {want[:4]}...")
+                    for (k, dtype, placed), b in zip(o["grad_shards"], o["buckets"]):
+                        expect(k == b["chunk"] and placed, f"{at}: a bucket's grad_shard has {k} elements "
+                               f"(expected {b['chunk']}, on the parameters' device)")
+            return "every p.data a view of one flat buffer; the inner optimizer holds this rank's chunks"
+
+        return [judged(weights_line, weights), judged(layout_line, layout)]
+
+
+# ---- 3. _on_grad, _retire ----------------------------------------------------------------------
+
+class BackwardTask(Task):
+    name, answers, hang_hint = "backward", ("ZeRO2",), HANG
+
+    def cases(self) -> list[Case]:
+        return [Case(n, (f"backward, {n} ranks: summed gradient chunks",
+                         f"backward, {n} ranks: one async reduce-scatter per bucket, gradients freed"))
+                for n in (2, 4)]
+
+    def exercise(self, case: Case, ZeRO2: Any) -> dict:
+        n, r = case.world_size, distlab.rank()
+        distlab.runtime.progress(f"one backward of ZeRO2 on the plain model, {n} ranks")
+        model = variant_model("plain")
+        names = _names(model)
+        opt = ZeRO2(model.parameters(), torch.optim.SGD, bucket_size_mb=BUCKET_MB, lr=0.1)
+        log: list[tuple[str, int]] = []
+        with track_comm() as meter:
+            for name, p in model.named_parameters():   # runs after the learner's hook on the same p
+                p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: log.append((name, meter.calls.get("reduce_scatter", 0))))
+            x, y = _rank_batch(0, n, r)
+            lm_loss(model, x, y).backward()
+            pending = len(opt.pending)
+            comm = meter.stats()
+        left = [k for k, p in model.named_parameters() if p.grad is not None]
+        distlab.runtime.progress(f"_retire() after backward, {n} ranks")
+        opt._retire()
+        return {"log": log, "pending": pending, "comm": comm, "left": left,
+                "buckets": describe(opt.buckets, names),
+                "shards": [b.grad_shard.detach().float().clone() for b in opt.buckets]}
+
+    def reference(self, case: Case) -> dict:
+        """The sum over ranks of each rank's gradient (what the reduce-scatter adds up)."""
+        n, total = case.world_size, {}
+        for r in range(n):
+            model = variant_model("plain", device="cpu")
+            x, y = _rank_batch(0, n, r, device="cpu")
+            lm_loss(model, x, y).backward()
+            for k, p in model.named_parameters():
+                total[k] = total.get(k, 0) + p.grad.detach().clone()
+        return total
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        n = case.world_size
+        values_line, when_line = case.lines
+
+        def values() -> str:
+            for r, out in enumerate(outputs):
+                for i, (b, got) in enumerate(zip(out["buckets"], out["shards"])):
+                    flat = torch.zeros(b["numel"])
+                    for name, off in zip(b["params"], b["offsets"]):
+                        g = reference[name].reshape(-1)
+                        flat[off:off + g.numel()] = g
+                    compare(got, flat[r * b["chunk"]:(r + 1) * b["chunk"]], atol=1e-5, rtol=1e-4,
+                            what=f"rank {r}'s chunk of bucket {i}'s gradient")
+            return "rank r holds chunk r of every bucket's gradient, summed over the ranks"
+
+        def when() -> str:
+            for r, out in enumerate(outputs):
+                buckets = [set(b["params"]) for b in out["buckets"]]
+                calls = out["comm"].calls
+                expect(set(calls) <= {"reduce_scatter"}, f"rank {r}: during backward expected only "
+                       f"reduce-scatters, saw {calls}")
+                expect(calls.get("reduce_scatter", 0) == len(buckets) >= 2,
+                       f"rank {r}: {calls.get('reduce_scatter', 0)} reduce-scatters during backward for "
+                       f"{len(buckets)} buckets: one per bucket")
+                seen: set[str] = set()
+                for name, started in out["log"]:
+                    seen.add(name)
+                    complete = sum(1 for b in buckets if b <= seen)
+                    expect(started >= complete, f"rank {r}: when {name}'s gradient was final, {complete} "
+                           f"bucket(s) were complete but {started} reduce-scatter(s) had started: launch each "
+                           "bucket's reduce-scatter in the hook that completes it")
+                expect(not out["left"], f"rank {r}: after backward {_short(out['left'])} still have p.grad: "
+                       "set p.grad = None in the hook once it is copied")
+                expect(out["pending"] >= 1, f"rank {r}: no reduce-scatter was still pending when backward "
+                       "returned: launch them with async_op=True and wait in _retire()")
+            return "launched from the hooks as each bucket completes, still on the wire at the end of backward"
+
+        return [judged(values_line, values), judged(when_line, when)]
+
+
+# ---- 4. step, zero_grad --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def train_single(variant: str, recipe: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The ground truth: one process (CPU), the whole batch, the plain optimizer."""
+    opt_class, kw, dtype = RECIPES[recipe]
+    model = variant_model(variant, dtype=dtype, device="cpu")
+    opt = opt_class([p for p in model.parameters() if p.requires_grad], **kw)
+    for step in range(steps):
+        x, y = synthetic_batch(step, BATCH, PRESETS["tiny"], device="cpu")
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _params(model)
+
+
+class StepTask(Task):
+    name, answers, hang_hint = "step", ("ZeRO2",), HANG
+
+    def cases(self) -> list[Case]:
+        what = {2: "SGD, AdamW, bf16 + MixedPrecisionAdam; frozen and tied weights",
+                4: "SGD, bf16 + MixedPrecisionAdam; tied weights"}
+        return [Case(n, (f"step, {n} ranks: matches one process ({what[n]})",
+                         f"step, {n} ranks: optimizer state sharded",
+                         f"step, {n} ranks: reduce-scatters in backward, all-gathers in step, 2Ψb(N-1)/N"),
+                     args={"configs": CONFIGS if n == 2 else CONFIGS_4})
+                for n in (2, 4)]
+
+    def exercise(self, case: Case, ZeRO2: Any) -> dict:
+        n, r, out = case.world_size, distlab.rank(), {}
+        for recipe, variant in case.args["configs"]:
+            opt_class, kw, dtype = RECIPES[recipe]
+            model = variant_model(variant, dtype=dtype)
+            opt = ZeRO2(model.parameters(), opt_class, bucket_size_mb=BUCKET_MB, **kw)
+            for step in range(STEPS):
+                distlab.runtime.progress(f"{recipe}, {variant} weights, {n} ranks, step {step}")
+                x, y = _rank_batch(step, n, r)
+                with track_comm() as in_backward:
+                    lm_loss(model, x, y).backward()
+                with track_comm() as in_step:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                if step == 0:
+                    out[recipe, variant, "comm"] = (in_backward.stats(), in_step.stats(), len(opt.buckets))
+            out[recipe, variant, "optimizer_state"] = model_state([], grads=[], optimizer=opt.optim).optimizer_state
+            out[recipe, variant] = _params(model)
+        return out
+
+    def reference(self, case: Case) -> dict:
+        out = {(recipe, v): train_single(v, recipe) for recipe, v in case.args["configs"]}
+        for v in ("frozen", "tied"):
+            model = variant_model(v, device="cpu")
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            out[v, "psi"] = (sum(p.numel() for p in trainable), max(p.numel() for p in trainable), len(trainable))
+        return out
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        n = case.world_size
+        match_line, state_line, comm_line = case.lines
+
+        def matches() -> str:
+            for r, out in enumerate(outputs):
+                for recipe, variant in case.args["configs"]:
+                    atol, rtol = TOL[recipe]
+                    ref = reference[recipe, variant]
+                    mine = out[recipe, variant]
+                    expect(mine.keys() == ref.keys(), f"rank {r} returned different parameter names")
+                    for k in ref:
+                        try:
+                            compare(mine[k], ref[k], atol=atol, rtol=rtol, what=f"rank {r}'s {k}")
+                        except CheckFailed as exc:
+                            raise CheckFailed(f"{recipe}, {variant} weights, after {STEPS} steps: {exc}")
+            return f"the same parameters as one process on the whole batch after {STEPS} steps"
+
+        def state() -> str:
+            for variant in ("tied",):
+                psi, largest, count = reference[variant, "psi"]
+                owned = []
+                for r, out in enumerate(outputs):
+                    b = out["MixedPrecisionAdam", variant, "optimizer_state"]
+                    expect(b % 12 == 0, f"rank {r}, {variant} weights: {b} B of optimizer state is not "
+                           "12 B (fp32 master + m + v) per parameter")
+                    owned.append(b // 12)
+                    expect(owned[-1] <= psi / n + largest, f"rank {r}, {variant} weights: optimizer state for "
+                           f"{owned[-1]} parameters; its share is about {psi / n:.0f}")
+                expect(psi <= sum(owned) < psi + n * count, f"{variant} weights: the ranks together keep state "
+                       f"for {sum(owned)} parameters; expected each of the {psi} trainable parameters once")
+            return "12 B x its own chunks on each rank; together every trainable parameter once"
+
+        def traffic() -> str:
+            psi = reference["tied", "psi"][0]
+            want = comm_bytes_per_rank(psi, n, stage=2, bytes_per_element=2)   # the bf16 recipe
+            for r, out in enumerate(outputs):
+                back, step, buckets = out["MixedPrecisionAdam", "tied", "comm"]
+                rs, ag = back.calls.get("reduce_scatter", 0), step.calls.get("all_gather", 0)
+                expect(set(back.calls) == {"reduce_scatter"} and rs == buckets,
+                       f"rank {r}: during backward expected {buckets} reduce-scatters (one per bucket), saw {back.calls}")
+                expect(set(step.calls) == {"all_gather"} and ag == buckets,
+                       f"rank {r}: during step() expected {buckets} all-gathers (one per bucket), saw {step.calls}")
+                total, slack = back.total_bytes + step.total_bytes, 2 * buckets * n * 2   # padding: < N per bucket
+                expect(abs(total - want) <= slack, f"rank {r}: sent {total} algorithmic bytes in one step; "
+                       f"expected 2Ψb(N-1)/N = {want:.0f}")
+            return "one reduce-scatter and one all-gather per bucket, 2Ψb(N-1)/N algorithmic bytes per step"
+
+        return [judged(match_line, matches), judged(state_line, state), judged(comm_line, traffic)]
+
+
+# ---- 5. memory (no new code) ---------------------------------------------------------------------
+
+MEM_PRESET, MEM_SEQ, MEM_BUCKET_MB = "small", 8, 0.25
+
+
+class MemoryTask(Task):
+    name, answers, hang_hint = "memory", ("ZeRO2",), HANG
+
+    def cases(self) -> list[Case]:
+        return [Case(n, (f"memory, {n} ranks: 2Ψ + 14Ψ/N bytes at a step boundary",
+                         f"memory, {n} ranks: never a full-size gradient (memory meter)"))
+                for n in (2, 4)]
+
+    def exercise(self, case: Case, ZeRO2: Any) -> dict:
+        n, r = case.world_size, distlab.rank()
+        distlab.runtime.progress(f"bf16 + MixedPrecisionAdam, held bytes after two steps, {n} ranks")
+        model = variant_model("plain", dtype=torch.bfloat16)
+        opt = ZeRO2(model.parameters(), MixedPrecisionAdam, bucket_size_mb=BUCKET_MB, lr=1e-3)
+        for step in range(2):
+            x, y = _rank_batch(step, n, r)
+            lm_loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        held = held_bytes(model, vars(opt))
+        padded = sum(b.numel for b in opt.buckets)
+        # The gradient high-water mark, in fp32 (weights used as stored: no compute-dtype copies in
+        # the activations): what a rank held beyond parameters and optimizer state at its worst moment.
+        model = variant_model("plain", MEM_PRESET, seq_len=MEM_SEQ)
+        opt = ZeRO2(model.parameters(), torch.optim.SGD, bucket_size_mb=MEM_BUCKET_MB, lr=0.1, momentum=0.9)
+
+        def step(s: int) -> None:
+            x, y = _rank_batch(s, n, r, MEM_PRESET, batch=n)
+            lm_loss(model, x[:, :MEM_SEQ], y[:, :MEM_SEQ]).backward()
+            opt.step()
+            opt.zero_grad()
+
+        distlab.runtime.progress(f"fp32 + SGD on '{MEM_PRESET}', warm-up step, {n} ranks")
+        step(0)   # optimizer state exists; on a GPU the allocator and cuBLAS are warm
+        at_rest = held_bytes(model, vars(opt))
+        states = model_state(model, grads=[], optimizer=opt.optim)
+        with track_memory() as mem:
+            distlab.runtime.progress(f"fp32 + SGD on '{MEM_PRESET}', tracked step, {n} ranks")
+            step(1)
+        return {"held": held, "padded": padded, "buckets": len(opt.buckets),
+                "extra": at_rest + mem.peak_bytes - states.params - states.optimizer_state}
+
+    def reference(self, case: Case) -> dict:
+        tiny = variant_model("plain", device="cpu")
+        small = variant_model("plain", MEM_PRESET, seq_len=MEM_SEQ, device="cpu")
+        return {"psi": sum(p.numel() for p in tiny.parameters()), "count": len(list(tiny.parameters())),
+                "full_grad": 4 * sum(p.numel() for p in small.parameters())}
+
+    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
+        n, psi = case.world_size, reference["psi"]
+        states_line, peak_line = case.lines
+
+        def states() -> str:
+            for r, out in enumerate(outputs):
+                padded = out["padded"]
+                expect(psi <= padded < psi + n * reference["count"], f"rank {r}: buckets of {padded} elements "
+                       f"for Ψ = {psi} parameters")
+                want = 2 * padded + 14 * padded // n
+                expect(out["held"] == want, f"rank {r} holds {out['held']:,} B between steps (model, optimizer "
+                       f"and everything it keeps); expected 2Ψ + 14Ψ/N = {want:,} B (Ψ = {padded} with padding)")
+            return "exactly bf16 parameters, plus bf16 gradient and fp32 Adam chunks of 1/N"
+
+        def peak() -> str:
+            for r, out in enumerate(outputs):
+                expect(out["extra"] < reference["full_grad"],
+                       f"rank {r} held {out['extra']:,} B beyond parameters and optimizer state at its peak; "
+                       f"a full fp32 gradient is {reference['full_grad']:,} B")
+            return "gradients and activations in flight stay below one full gradient on every rank"
+
+        return [judged(states_line, states), judged(peak_line, peak)]
+
+
+TASKS = {t.name: t for t in (BucketsTask(), ConstructTask(), BackwardTask(), StepTask(), MemoryTask())}
+
+grade = grader(TASKS)

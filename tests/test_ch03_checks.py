@@ -1,0 +1,170 @@
+"""Chapter 3's graded checks catch wrong, cheating and hanging answers, not only missing ones.
+
+To stay fast, most tests run one case of a task (`_only`).
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from distlab.checks import run_task
+from distlab.checks.ch03 import TASKS
+from labkit import answers
+
+LAB = "03_zero1"
+
+
+def _only(name: str, world_size: int = 2):
+    task = TASKS[name]
+    t = copy.copy(task)
+    t.cases = lambda: [c for c in task.cases() if c.world_size == world_size]
+    return t
+
+
+def _lines(task, ns) -> list[str]:
+    return [str(line) for line in run_task(task, [getattr(ns, a) for a in task.answers])]
+
+
+# The stubs failing every line is tests/test_labs.py::test_unfilled_lab_fails_every_graded_line (every lab).
+
+
+def test_the_solution_passes_the_first_three_steps_on_three_ranks(no_orphans):
+    ns = answers(LAB)
+    for name in ("init", "reduce_scatter_grad", "all_gather_params"):
+        out = _lines(_only(name, 3), ns)
+        assert out and all(line.startswith("PASS ") for line in out), out
+
+
+# Every rank builds the inner optimizer on all the parameters: nothing is sharded.
+UNSHARDED = '''
+class ShardedOptimizer(ShardedOptimizer):
+    def __init__(self, params, optimizer_class, **defaults):
+        super().__init__(params, optimizer_class, **defaults)
+        self.pieces = [torch.nn.Parameter(t, requires_grad=False) for t in self.flat_param.split(self.PIECE)]
+        self.optim = optimizer_class(self.pieces, **defaults)
+        self.state = self.optim.state
+'''
+
+
+def test_an_optimizer_on_every_parameter_fails_the_shard_line(no_orphans):
+    out = _lines(_only("init"), answers(LAB, replace={"ShardedOptimizer": UNSHARDED}))
+    assert out[0].startswith("PASS") and out[1].startswith("PASS"), out
+    assert out[2].startswith("FAIL ShardedOptimizer.__init__, 2 ranks: the inner optimizer holds this rank's shard "
+                             "only: frozen weights, rank 0: the inner optimizer holds 33664 elements, expected 16832"), out
+
+
+# Buffers made without device=: on a GPU they would be CPU tensors; the audit refuses them at the broadcast.
+HOST_BUFFERS = '''
+class ShardedOptimizer(ShardedOptimizer):
+    def __init__(self, params, optimizer_class, **defaults):
+        torch.optim.Optimizer.__init__(self, list(params), defaults)
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.params = [p for p in self.param_groups[0]["params"] if p.requires_grad]
+        numel = sum(p.numel() for p in self.params)
+        self.shard_numel = -(-numel // self.world)
+        self.flat_param = torch.zeros(self.shard_numel * self.world, dtype=self.params[0].dtype)
+        dist.broadcast(self.flat_param, src=0)
+'''
+
+
+def test_a_buffer_made_without_a_device_is_caught_by_the_audit(no_orphans):
+    out = _lines(_only("init"), answers(LAB, replace={"ShardedOptimizer": HOST_BUFFERS}))
+    assert all("raised DeviceAuditError: device audit:" in line and "created without a device" in line
+               for line in out), out
+
+
+NO_MEAN = '''
+@add_to_class(ShardedOptimizer)
+def _reduce_scatter_grad(self):
+    grad = torch.empty_like(self.shard)
+    dist.reduce_scatter(grad, list(self.flat_grad.chunk(self.world)))
+    return grad                                  # the sum, not the mean
+'''
+ALL_REDUCE_AND_SLICE = '''
+@add_to_class(ShardedOptimizer)
+def _reduce_scatter_grad(self):
+    total = self.flat_grad.clone()
+    dist.all_reduce(total)                       # right values, twice the bytes
+    k = self.shard_numel
+    return total[self.rank * k:(self.rank + 1) * k] / self.world
+'''
+
+
+def test_the_reduce_scatter_catches_a_sum_and_an_all_reduce(no_orphans):
+    out = _lines(_only("reduce_scatter_grad"), answers(LAB, replace={"r": NO_MEAN}))
+    assert out[0].startswith("FAIL _reduce_scatter_grad, 2 ranks, values: max |frozen weights, rank 0's gradient "
+                             "shard - reference|"), out
+    assert out[1].startswith("PASS"), out
+    out = _lines(_only("reduce_scatter_grad"), answers(LAB, replace={"r": ALL_REDUCE_AND_SLICE}))
+    assert out[0].startswith("PASS"), out
+    assert out[1] == ("FAIL _reduce_scatter_grad, 2 ranks, traffic: rank 0 called all_reduce: expected only "
+                      "reduce_scatter"), out
+
+
+# The all-gather done with one broadcast per rank: right values, N x S instead of (N-1)/N x S per rank.
+BROADCASTS = '''
+@add_to_class(ShardedOptimizer)
+def _all_gather_params(self):
+    for r, piece in enumerate(self.flat_param.chunk(self.world)):
+        dist.broadcast(piece, src=r)
+'''
+
+
+def test_an_all_gather_by_broadcasts_fails_the_traffic_line(no_orphans):
+    out = _lines(_only("all_gather_params"), answers(LAB, replace={"a": BROADCASTS}))
+    assert out[0].startswith("PASS"), out
+    assert out[1] == ("FAIL _all_gather_params, 2 ranks, traffic: rank 0 called broadcast: expected only "
+                      "all_gather"), out
+
+
+NO_ALL_GATHER = '''
+@add_to_class(ShardedOptimizer)
+def _all_gather_params(self):
+    pass                                         # every rank keeps only its own shard's update
+'''
+
+
+def test_a_step_without_the_all_gather_fails_values_and_traffic(no_orphans):
+    out = _lines(_only("step"), answers(LAB, replace={"a": NO_ALL_GATHER}))
+    assert [line.split(":")[0] for line in out if line.startswith("PASS")] == [
+        "PASS ShardedOptimizer, 2 ranks, frozen weights", "PASS ShardedOptimizer, 2 ranks, tied weights"], out
+    assert out[-1] == ("FAIL ShardedOptimizer, 2 ranks: collectives and bytes: rank 0: 1 reduce-scatters and "
+                       "0 all-gathers; expected the same number of each (one per flat buffer)"), out
+
+
+# Rank 0 skips the all-gather of the first step: rank 1 waits for it forever.
+DEADLOCK = '''
+@add_to_class(ShardedOptimizer)
+def _all_gather_params(self):
+    if dist.get_rank() != 0:
+        all_gather_tensor(self.flat_param, self.shard.clone())
+'''
+
+
+def test_a_hang_is_reported_in_seconds_with_its_case_and_a_hint(no_orphans):
+    start = time.monotonic()
+    out = _lines(TASKS["step"], answers(LAB, replace={"a": DEADLOCK}))
+    assert time.monotonic() - start < 60
+    assert out[0].startswith("FAIL ShardedOptimizer(SGD), 2 ranks, frozen weights: hung: rank(s) [")
+    assert "(case: ShardedOptimizer(SGD), 2 ranks, frozen weights, step " in out[0]
+    assert "every rank must call the reduce-scatter and the all-gather" in out[0]
+    n2 = len(TASKS["step"].cases()[0].lines)
+    assert all("hung: rank(s)" in line for line in out[:n2]), out
+    assert all(line.endswith("not run: an earlier case (2 ranks) hung") for line in out[n2:]), out
+
+
+def test_the_lab_holds_the_prelude_one_line_checks_and_its_expected_time():
+    import nbformat
+
+    from distlab.checks.ch03 import PRELUDE
+    from distlab.labs import is_check_cell
+    from labkit import ROOT
+    nb = nbformat.read(ROOT / "labs" / f"{LAB}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert PRELUDE in code[0].source
+    checks = [c for c in code if is_check_cell(c)]
+    assert [[line for line in c.source.splitlines() if not line.startswith("#")] for c in checks] == [
+        [f'grade("{name}", ShardedOptimizer)'] for name in TASKS]
+    assert "*Expected time:" in nb.cells[0].source
