@@ -9,7 +9,10 @@ happens:
 - `op`: every call on a `MeteredGroup` (the hook runs it on the real group,
   which only the hook references, and books its algorithmic bytes);
 - `region`: `track_comm` blocks opened and closed (`learner` = 1 when learner
-  code was on the stack, so its figures are not the check's);
+  code was on the stack, so its figures are not the check's); while a block is
+  open, each op is also added to its meter's `calls` and `bytes` (a check may
+  read them during the block: the dispatch mode that counts them outside
+  grading sees no op of a Python process group);
 - `ev`: events that learner code caused and an honest answer never needs:
   reading the stack or other objects' internals, replacing code, ctypes,
   processes, threads, signals, sockets, file access outside the Python
@@ -87,7 +90,8 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     startswith, join = str.startswith, str.join
     book = booking(torch._C.TensorBase.numel, torch._C.TensorBase.element_size, torch._C.TensorBase.dim,
                    torch._C.TensorBase.size)
-    TensorBase, no_torch_fn = torch._C.TensorBase, torch._C.DisableTorchFunction
+    TensorBase, no_torch_fn, no_dispatch = torch._C.TensorBase, torch._C.DisableTorchFunction, \
+        torch._C._DisableTorchDispatch
     mro_of, name_of = type.__dict__["__mro__"].__get__, type.__dict__["__name__"].__get__
     c10d_types = frozenset(v for v in vars(torch._C._distributed_c10d).values() if isinstance(v, type))
     Gloo = dist.ProcessGroupGloo
@@ -103,6 +107,10 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     seq, busy, learner_cache = [0], [False], {}
     groups: dict[int, tuple] = {}
     meters: dict[int, tuple] = {}
+    live: dict[int, Any] = {}      # track_comm meters open now: each op is added to them as it runs
+    from distlab.meters.comm import _CommMeter
+    from collections import defaultdict
+    counters, obj_get, dict_get, dict_set = (dict, defaultdict), object.__getattribute__, dict.get, dict.__setitem__
     stats: dict[int, tuple] = {}
     snap: dict[str, dict] = {}
     region_count = [0]
@@ -198,6 +206,17 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             work.wait()
         return works[-1]
 
+    def add_live(meter: Any, kind: str, nbytes: int) -> None:
+        """What `track_comm`'s dispatch mode would count (it sees nothing under a Python process group):
+        the meter's own dicts, updated with the builtin dict methods bound above."""
+        state = obj_get(meter, "__dict__")
+        if _type(state) is not _dict:
+            return
+        for field, amount in (("calls", 1), ("bytes", nbytes)):
+            d = dict_get(state, field)
+            if _type(d) in counters:
+                dict_set(d, kind, (dict_get(d, kind) or 0) + amount)
+
     def take_snapshot() -> None:
         for name, mod in modules.items():
             d = _dict(mod.__dict__)
@@ -236,7 +255,12 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             with no_torch_fn():
                 kind, nbytes = book(name, call, entry[2], entry[3])
             send("op", kind, nbytes, entry[4])
-            box.append(forward(entry[1], aliases.get(name, name), call))
+            for meter in _list(live.values()):
+                add_live(meter, kind, nbytes)
+            # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
+            # backend's own temporaries
+            with no_dispatch():
+                box.append(forward(entry[1], aliases.get(name, name), call))
         elif ev == "distlab.pg.create":
             group, store, rank, size, timeout = args
             inner = Nccl(store, rank, size) if group._backend_name.endswith("nccl") and Nccl else \
@@ -251,10 +275,13 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 k = region_count[0]
                 region_count[0] = k + 1
                 meters[_id(meter)] = (meter, k, mine)
+                if _type(meter) is _CommMeter:
+                    live[_id(meter)] = meter
                 send("region", "begin", k, _int(mine))
             elif _id(meter) in meters:
                 _, k, was = meters[_id(meter)]
                 if edge == "end":
+                    live.pop(_id(meter), None)
                     send("region", "end", k, _int(was or mine))
                 elif edge == "stats":
                     stats[_id(args[2])] = (args[2], k, was or mine)

@@ -63,7 +63,11 @@ def _region_methods() -> dict[str, Any]:
         audit("distlab.region", "stats", self, snapshot)
         return snapshot
 
-    for name, fn in (("__enter__", __enter__), ("__exit__", __exit__), ("stats", stats_)):
+    def _add(self: Any, kind: str, sent: int) -> None:
+        """The dispatch mode counts nothing here: the audit hook adds each op of the metered group to the
+        open meters (the mode would count DTensor's functional collectives a second time)."""
+
+    for name, fn in (("__enter__", __enter__), ("__exit__", __exit__), ("stats", stats_), ("_add", _add)):
         setattr(_CommMeter, name, fn)
     return {"__enter__": __enter__, "__exit__": __exit__, "stats": stats_}
 
