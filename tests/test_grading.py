@@ -259,3 +259,23 @@ def test_the_audit_hook_records_what_learner_code_does_and_not_what_the_library_
         assert what in text, (what, text, run.stderr[-2000:])
     assert not any(("json" in s or "email" in s or "math" in s) and "open" in s for s in seen), seen
     assert len(seen) == 7, "\n".join(seen)   # compile and exec of the forged file name: two lines
+
+
+# ---------------------------------------------------------------- when bubblewrap is missing or broken
+
+def test_without_bwrap_the_grader_says_so_once_and_what_that_means(monkeypatch):
+    from distlab.grading import cli
+    said: list[str] = []
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    assert cli.sandbox_for(False, said.append) is None
+    assert said == [cli.NO_BWRAP] and "WITHOUT a sandbox" in said[0] and "apt-get install bubblewrap" in said[0]
+    said.clear()
+    assert cli.sandbox_for(True, said.append) is None and said == [cli.NO_SANDBOX]
+
+
+def test_a_bwrap_that_cannot_start_a_sandbox_stops_the_run_with_what_to_do(monkeypatch):
+    from distlab.grading import cli
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: "/usr/bin/bwrap")
+    monkeypatch.setattr(sandbox, "works", lambda user_ns=True: False)
+    with pytest.raises(RuntimeError, match="--no-sandbox"):
+        cli.sandbox_for(False, print)

@@ -73,9 +73,12 @@ def one_line(text: Any, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def prepare(lab: str | Path, only: list[str] | None = None) -> ShippedLab:
-    """The lab, its selected tasks, and every case's reference computed once (here, no learner code)."""
+def prepare(lab: str | Path, only: list[str] | None = None, *, first_case: bool = False) -> ShippedLab:
+    """The lab, its selected tasks (`first_case`: each task's first case only), and every graded case's
+    reference computed once (here, no learner code)."""
     the_lab = load_lab(lab).select(only)
+    if first_case:
+        the_lab.first_cases()
     for graded in the_lab.graded:
         cases = graded.task.cases()
         for i in graded.cases:
