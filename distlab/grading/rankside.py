@@ -82,9 +82,14 @@ def _metered_group(timeout_s: float) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore("distlab-grade/", store)
+    # Every rank has finished joining the launcher's group before any rank tears it down: a rank that closes
+    # its connections while a slower peer is still connecting fails that peer ("Connection closed by peer",
+    # seen on a loaded machine).
+    prefixed.set(f"joined{rank}", "1")
+    prefixed.wait([f"joined{r}" for r in range(size)], timedelta(seconds=timeout_s))
     dist.destroy_process_group()
-    dist.init_process_group(name, store=dist.PrefixStore("distlab-grade/", store), rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(name, store=prefixed, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
 
 
 def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -> tuple[dict, list[str]]:
