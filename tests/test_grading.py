@@ -279,3 +279,16 @@ def test_a_bwrap_that_cannot_start_a_sandbox_stops_the_run_with_what_to_do(monke
     monkeypatch.setattr(sandbox, "works", lambda user_ns=True: False)
     with pytest.raises(RuntimeError, match="--no-sandbox"):
         cli.sandbox_for(False, print)
+
+
+def test_the_cli_says_what_is_missing_and_grades_nothing(tmp_path, capsys):
+    from distlab.cli import main
+    (tmp_path / "empty").mkdir()
+    for argv, words in ((["01_collectives"], "give at least one submission"),
+                        (["01_collectives", str(tmp_path / "nope")], f"no such file or folder: {tmp_path / 'nope'}"),
+                        (["01_collectives", str(tmp_path / "empty")], "holds no notebook (.ipynb)"),
+                        (["99_nothing", str(tmp_path / "empty"), "--self"], "no shipped lab called '99_nothing'")):
+        assert main(["grade", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("distlab grade: ") and words in err, err
+    assert not (tmp_path / "grades").exists() and not Path("grades").exists()

@@ -104,12 +104,12 @@ def run(args: Any) -> int:
     from distlab.grading.report import markdown
     err = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     subs = list(args.submissions)
+    try:
+        shipped = resolve_lab(args.lab)
+    except FileNotFoundError as exc:
+        err(f"distlab grade: {exc}; nothing was graded")
+        return 2
     if args.self and not subs:
-        try:
-            shipped = resolve_lab(args.lab)
-        except FileNotFoundError as exc:
-            err(f"distlab grade: {exc}")
-            return 2
         local = Path("labs") / shipped.name
         subs = [local if local.exists() else shipped]
     elif not subs:
