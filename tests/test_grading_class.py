@@ -111,6 +111,10 @@ def graded(tmp_path_factory):
     print(f"\ngraded {len(results)} submissions in {time.monotonic() - start:.0f} s: "
           f"{sum(r.cpu_s for r in results):.0f} CPU s in their sandboxes, "
           f"{sum(u.ru_utime + u.ru_stime for u in usage):.0f} CPU s in this process and the children it reaped")
+    for key, got in done.items():
+        got = got if isinstance(got, list) else [got]
+        print(f"  {key}: {len(got)} submissions, {sum(r.cpu_s for r in got):.1f} CPU s, "
+              f"longest {max(r.seconds for r in got):.0f} s")
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])), folder=folder,
         labs={name: {which: done[name, which] for which in ("correct", "not_started")} for name in LABS},
