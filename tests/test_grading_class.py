@@ -197,7 +197,12 @@ def test_route3_printing_through_proc_reaches_no_verdict(graded):
 def test_route4_forging_results_and_killing_the_worker_scores_zero(graded):
     r = graded.attacks["route4_forge_and_kill_worker"]
     assert r.score == 0
-    assert r.note == ("the grading runner was killed by SIGKILL before it finished: a rank may have killed it")
+    # Either the kill lands (the runner never sent its sealed "done": the submission is void) or the
+    # rank dies first, its /proc writes already booked by the audit: zero either way, and said why.
+    killed = r.note == "the grading runner was killed by SIGKILL before it finished: a rank may have killed it"
+    flagged = r.verdicts and all(v.reason.startswith("audit: ") for v in r.verdicts)
+    assert killed or flagged, (r.note, [v.reason for v in r.verdicts])
+    assert killed or any("for writing" in f for f in r.flags), r.flags
 
 
 @needs_bwrap
