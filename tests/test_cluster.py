@@ -121,21 +121,26 @@ def test_a_failing_rank_names_its_node_and_a_killed_agent_ends_the_job(tmp_path)
     assert not _job_processes(tmp_path)
 
     # 2. One node's agent is killed midway: the other node's ranks stop with a clear error, no hang.
-    export([("02_ddp", None)], tmp_path)
-    agents = _agents(tmp_path, tmp_path, "--stall", "10", steps=100_000)
+    # A fresh folder: part 1's node files must not count as "both nodes are up" (a kill before
+    # the rendezvous completes would leave node 0 waiting out torchrun's join timeout).
+    job = tmp_path / "killed"
+    job.mkdir()
+    export([("02_ddp", None)], job)
+    agents = _agents(job, job, "--stall", "10", steps=100_000)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "node1.jsonl" not in os.listdir(tmp_path / "results"):
+    while time.monotonic() < deadline and not all((job / "results" / f"node{k}.jsonl").exists() for k in range(2)):
         time.sleep(0.5)   # both nodes' ranks are up and training once their node files exist
+    assert all((job / "results" / f"node{k}.jsonl").exists() for k in range(2)), "the job never started"
     time.sleep(2)
     os.kill(agents[1].pid, signal.SIGKILL)
     killed = time.monotonic()
     code = agents[0].wait(timeout=180)
     took = time.monotonic() - killed
     _finish(agents, timeout=5)
-    text = (tmp_path / "agent0.log").read_text()
+    text = (job / "agent0.log").read_text()
     assert code != 0 and took < 90, (code, took)
     assert "distlab: rank" in text and "(node " in text, text[-3000:]
     deadline = time.monotonic() + 30
-    while _job_processes(tmp_path) and time.monotonic() < deadline:
+    while _job_processes(job) and time.monotonic() < deadline:
         time.sleep(0.5)   # the killed agent's orphans notice their peers are gone
-    assert not _job_processes(tmp_path)
+    assert not _job_processes(job)
