@@ -13,12 +13,15 @@ import time
 
 import pytest
 
-from labkit import answers, run
 
 LAB = "07_tensor_parallel"
 
 
+# labkit is imported inside the helpers, not at the top: a rank that runs `_torch_tp_bytes` below imports
+# this module, and labkit's imports (nbformat, jsonschema) cost ~3 s of CPU per rank on this box.
+
 def _lines(task, **replace):
+    from labkit import answers, run
     return [str(line) for line in run(LAB, task, answers(LAB, replace=replace))]
 
 
@@ -28,6 +31,7 @@ def _first_case(task, **replace):
     import copy
 
     from distlab.checks import lab_module, run_task
+    from labkit import answers
     t = lab_module(LAB).TASKS[task]
     one = copy.copy(t)
     first = t.cases()[0]
