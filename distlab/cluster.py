@@ -90,7 +90,10 @@ def identity() -> dict[str, Any]:
 
 class Watchdog(threading.Thread):
     """Every `period` s, publish this rank's CPU time in the store and read everyone's. When no rank
-    has used more than `min_share` of a core for `stall` s, print where this rank waits and exit."""
+    has used more than `min_share` of a core for `stall` s, print where this rank waits and exit.
+    A rank whose torchrun agent died exits too (the agent is its parent: a rank left running
+    without it would train on alone while the job can no longer end cleanly); its peers then see
+    their connections close and fail with their node named."""
 
     def __init__(self, store: Any, me: dict[str, Any], stall: float, period: float = 2.0, min_share: float = 0.05):
         super().__init__(daemon=True, name="distlab-watchdog")
@@ -101,7 +104,10 @@ class Watchdog(threading.Thread):
         n, r = self.me["world_size"], self.me["rank"]
         last_cpu: dict[int, float] = {}
         last_work = time.monotonic()
+        agent = os.getppid()
         while not self.done.wait(self.period):
+            if os.getppid() != agent:
+                self._give_up(lost=False, orphaned=True)
             try:
                 self.store.set(f"distlab/cpu/{r}", f"{time.process_time():.3f}")
                 cpus = {k: float(self.store.get(f"distlab/cpu/{k}")) for k in range(n)
@@ -118,9 +124,10 @@ class Watchdog(threading.Thread):
             elif now - last_work >= self.stall:
                 self._give_up(lost=False)
 
-    def _give_up(self, lost: bool) -> None:
+    def _give_up(self, lost: bool, orphaned: bool = False) -> None:
         m = self.me
-        why = ("the rendezvous store no longer answers: the node hosting it went away" if lost else
+        why = ("its torchrun agent died (the node is going away)" if orphaned else
+               "the rendezvous store no longer answers: the node hosting it went away" if lost else
                f"for {self.stall:g} s no rank on any node did any work (a collective or recv some ranks never reach)")
         sys.stderr.write(f"distlab: rank {m['rank']} (node {m['node']}, host {m['host']}, local rank "
                          f"{m['local_rank']}) stopped: {why}. Where it waits:\n")
@@ -148,6 +155,7 @@ def measure(lab: str, answers: ModuleType, *, preset: str = "small", steps: int 
 
     with track_memory() as mem:
         model = build_model(preset, seed=0)
+        psi = num_params(model)   # before wrapping: ZeRO-3 leaves the model's own parameters empty
         wrapped, opt = strategy.wrap(cls, model, make_opt)
         seconds, comm = [], None
         for step in range(steps):
@@ -166,7 +174,6 @@ def measure(lab: str, answers: ModuleType, *, preset: str = "small", steps: int 
             comm = meter.stats()
         peak = mem.peak_bytes
     full = {k: v.detach().float().cpu() for k, v in strategy.full_params(wrapped, model).items()}
-    psi = num_params(model)
     timed = sorted(seconds[1:] or seconds)
     return {"name": strategy.name, "lab": lab, **identity(), "num_params": psi, "preset": preset,
             "model_state_bytes": {"params": state.params, "grads": state.grads,

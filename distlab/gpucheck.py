@@ -35,7 +35,10 @@ def _notebooks(root: Path) -> list[Path]:
 
 def _pytest(args: list[str], env: dict[str, str], junit: Path, timeout: float) -> tuple[int, list[tuple[str, str]]]:
     """Run pytest; return (exit code, [(test id, 'passed' | 'failed' | 'skipped')])."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
+    import importlib.util
+    # One pytest process: NCCL ranks of two notebooks at once would share the GPUs (and skew timings).
+    serial = ["-n", "0"] if importlib.util.find_spec("xdist") else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *serial, f"--junitxml={junit}", *args]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         code = proc.returncode

@@ -328,6 +328,29 @@ def _notes(stuck: list[int], workdir: str) -> dict[int, str]:
     return out
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe")
+
+
+def _failure(ranks: list[Any], workdir: str, r: int, loads: Callable[[bytes], Any]) -> dict[str, Any]:
+    err = _read_error(workdir, r, loads)
+    if err is None:
+        ranks[r].join(timeout=1)
+        err = {"type": "ProcessDied", "traceback": "",
+               "message": f"the process exited with code {ranks[r].exitcode} without a Python "
+                          "error (killed, out of memory, or os._exit)"}
+    return err
+
+
+def _root_cause(failed: dict[int, dict[str, Any]]) -> int:
+    """The rank to blame: one that died outright, else one whose error is not a lost peer, else the lowest."""
+    def rank_of(r: int) -> tuple[int, int]:
+        err = failed[r]
+        if err["type"] == "ProcessDied":
+            return (0, r)
+        return (2 if any(p in str(err.get("message", "")) for p in _PEER_GONE) else 1, r)
+    return min(failed, key=rank_of)
+
+
 def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, stall_s: float,
           loads: Callable[[bytes], Any] = cloudpickle.loads) -> list[Any]:
     """Wait until every rank reports; on the first failure, a stall or the deadline, raise.
@@ -365,13 +388,29 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
                     pending.discard(r)
                     continue
             pending.discard(r)
-            err = _read_error(workdir, r, loads)
-            if err is None:
-                ranks[r].join(timeout=1)
-                err = {"type": "ProcessDied", "traceback": "",
-                       "message": f"the process exited with code {ranks[r].exitcode} without a Python "
-                                  "error (killed, out of memory, or os._exit)"}
+            failed = {r: _failure(ranks, workdir, r, loads)}
+            # A rank that dies makes its peers fail too ("Connection closed by peer"), and a peer's
+            # report can arrive first: wait a moment for the others and name the root cause.
+            settle = time.monotonic() + 1.0
+            while pending and time.monotonic() < settle:
+                for obj in multiprocessing.connection.wait(list(waitables), timeout=0.1):
+                    q = waitables.pop(obj)
+                    if q not in pending:
+                        continue
+                    if obj is pipes[q]:
+                        try:
+                            if obj.recv() == "ok":
+                                pending.discard(q)
+                                continue
+                        except EOFError:
+                            continue
+                    pending.discard(q)
+                    failed[q] = _failure(ranks, workdir, q, loads)
+            r = _root_cause(failed)
+            err = failed[r]
             others = f"unfinished at that moment: {sorted(pending)}" if pending else ""
+            if len(failed) > 1:
+                others = "; ".join(filter(None, [others, f"also failed: {sorted(set(failed) - {r})}"]))
             raise RankFailed(r, err["type"], err["message"], err["traceback"], others)
     results = []
     for r in range(len(ranks)):

@@ -59,7 +59,7 @@ def backend() -> str:
 
 def device() -> torch.device:
     """The device this rank computes on: cuda:local_rank under NCCL, else cpu."""
-    if backend() == "nccl":
+    if backend() in ("nccl", "metered_nccl"):   # metered_nccl: NCCL under `distlab grade`'s metered group
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
 

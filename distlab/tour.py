@@ -87,7 +87,9 @@ def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int, on_ce
         # Graded checks verify answers (tests and grading do that); they measure nothing.
         nb.cells = [c for c in nb.cells if not is_check_cell(c)]
         km = KernelManager(kernel_name="python3")
+        # The kernel runs over loopback TCP; its warning about unencrypted TCP is noise here.
         NotebookClient(nb, km=km, timeout=None, resources={"metadata": {"path": str(path.parent)}},
+                       extra_arguments=["--IPKernelApp.log_level=ERROR"],
                        on_cell_executed=(lambda **_: on_cell()) if on_cell else None).execute()
     finally:
         for k, v in saved.items():

@@ -1,272 +1,294 @@
-"""`distlab grade`: synthetic classes for chapters 1 and 2, every tampering route, no orphans.
-
-The slow tests grade one check cell per chapter (`only=`), several submissions
-at a time (`jobs=3`); the cheap mini lab (one 2-rank launch per check) carries
-the tampering routes.
-"""
+"""`distlab grade`, the parts that need no ranks: channel, safe unpickling, booking, evidence, lab and
+submission reading, the sandbox's command line, reports, and the audit hook (in a child process: a hook
+cannot be removed, so never in the test process)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
+import json
 import os
+import pickle
+import subprocess
+import sys
+import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
+import torch
 
-from distlab.grading.grade import _fail_reason, grade
-from distlab.grading.build import extract_answers, load_lab, read_submission
-from distlab.grading.remote import GradingError, RemoteAnswer, safe_loads
+from distlab.grading import channel, evidence, sandbox, submission
+from distlab.grading.grade import Result, Verdict, summarize
+from distlab.grading.lab import grade_calls, load_lab
+from distlab.grading.pgmeter import OP_KINDS, booking
+from distlab.grading.rankside import REGION_KEY
+from distlab.grading.safeload import UnsafeResult, safe_loads
+from distlab.meters.comm import CommStats
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_class", ROOT / "tests/fixtures/grading/make_class.py")
-mk = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mk)
-
-MARKER = "distlab-grading-orphan-marker"
 
 
-def _scores(results):
-    return {Path(r.submission).stem: r.score for r in results}
+# ---------------------------------------------------------------- channel and safe unpickling
+
+def test_channel_refuses_forged_replayed_and_truncated_records():
+    key = channel.new_key()
+    good = channel.seal(key, 0, b"one") + channel.seal(key, 1, b"two")
+    assert channel.read_records(good, key).records == [b"one", b"two"]
+    forged = good + channel.seal(channel.new_key(), 2, b"PASS everything")
+    got = channel.read_records(forged, key)
+    assert got.records == [b"one", b"two"] and "does not verify" in got.problem
+    replayed = good + channel.seal(key, 1, b"two")
+    assert "where record 2 was due" in channel.read_records(replayed, key).problem
+    assert "ends inside a record" in channel.read_records(good[:-5], key).problem
+    assert "not a record" in channel.read_records(b"PASS all\n" + good, key).problem
 
 
-def _reasons(results, stem):
-    r = next(r for r in results if Path(r.submission).stem == stem)
-    return [v.reason for v in r.verdicts]
-
-
-def _marker_processes():
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if MARKER in " ".join(p.cmdline()):
-                out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return out
-
-
-# ---------------------------------------------------------------- the mini lab: tampering routes
-
-def _mini(tmp_path):
-    lab = mk.mini_lab(points=2)
-    lab_path = tmp_path / "mini_lab.ipynb"
-    nbformat.write(lab, lab_path)
-    good = mk.mini_solution(lab)
-    ids = list(good)
-    return lab, lab_path, good, ids
-
-
-def _route_answers(good, ids, prelude="", body=None, tail=""):
-    """Both answers: `prelude` at the top of the cell, a wrong body (or `body`), `tail` after."""
-    out = {}
-    for cid, src in good.items():
-        name = "double" if "def double" in src else "negate"
-        fn = body or "    return t + 1          # wrong on purpose\n"
-        out[cid] = f"{prelude}\ndef {name}(t):\n{fn}\n{tail}"
-    return out
-
-
-ROUTES = {
-    # route name: (answers builder args, check cells handling)
-    "redefine_check_print_compare": dict(prelude=(
-        "import builtins\n"
-        "def check(name, fn):\n    print('PASS ' + name + ': exact')\n"
-        "def compare(*a, **k):\n    return 'exact'\n"
-        "builtins.print = lambda *a, **k: None\n"
-        "print = lambda *a, **k: None\n")),
-    "monkeypatch_distlab_checks": dict(prelude=(
-        "import sys, torch, distlab.checks as dc\n"
-        "dc.check = lambda name, fn: (sys.stdout.write('PASS ' + name + ': exact\\n'), True)[1]\n"
-        "dc.compare = lambda *a, **k: 'exact'\n"
-        "dc.CheckFailed = KeyError\n"
-        "sys.modules['distlab.checks'].expect = lambda *a, **k: None\n"
-        "torch.equal = lambda *a, **k: True\n"
-        "torch.allclose = lambda *a, **k: True\n")),
-    "fake_pass_lines": dict(prelude=(
-        "import os, sys\n"
-        "print('PASS double on 2 ranks: exact')\nprint('PASS negate on 2 ranks: exact')\n"
-        "os.write(1, b'PASS double on 2 ranks: exact\\n')\n"
-        "sys.__stdout__.write('PASS negate on 2 ranks: exact\\n')\n"),
-        body="    print('PASS double on 2 ranks: exact')\n    return t + 1\n"),
-    "os_exit_at_top_level": dict(prelude="import os\nos._exit(0)\n"),
-    "infinite_loop": dict(body="    while True:\n        pass\n"),
-    "output_flood": dict(body="    while True:\n        print('x' * 4096)\n"),
-    "evil_result_pickle": dict(prelude=(
-        "class Evil:\n    def __reduce__(self):\n"
-        "        return (exec, (\"import distlab.checks as c; c.check = lambda n, f: print('PASS ' + n + ': exact')\","
-        "))\n"), body="    return Evil()\n"),
-    "orphan_daemon": dict(prelude=(
-        "import subprocess, sys\n"
-        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)  # {MARKER}'],"
-        " start_new_session=True, env={})\n")),
-}
-
-
-def test_every_tampering_route_scores_zero_and_leaves_nothing(tmp_path, no_orphans):
-    lab, lab_path, good, ids = _mini(tmp_path)
-    subs = {"correct": mk.submission(lab, good),
-            "edited_check_cell": mk.submission(lab, None, checks="tamper"),
-            "deleted_check_cells": mk.submission(lab, good, checks="delete"),     # gains nothing, loses nothing
-            "moved_check_cells": mk.submission(lab, None, checks="move")}
-    for name, kw in ROUTES.items():
-        subs[name] = mk.submission(lab, _route_answers(good, ids, **kw))
-    paths = mk.write(subs, tmp_path / "class")
-    results = grade(lab_path, list(paths.values()), out=tmp_path / "grades", cell_timeout=90,
-                    rank_timeout=8, jobs=3, echo=False)
-    scores = _scores(results)
-    assert scores == {name: (3 if name in ("correct", "deleted_check_cells") else 0) for name in subs}, scores
-    assert all("not implemented yet" in r for r in _reasons(results, "edited_check_cell"))
-    assert all("timed out: rank(s)" in r for r in _reasons(results, "infinite_loop"))
-    assert all("exited with code" in r or "died" in r for r in _reasons(results, "os_exit_at_top_level"))
-    assert all("File too large" in r for r in _reasons(results, "output_flood"))   # RLIMIT_FSIZE on ranks
-    assert all("does not unpickle" in r for r in _reasons(results, "evil_result_pickle"))
-    flags = next(r.flags for r in results if Path(r.submission).stem == "monkeypatch_distlab_checks")
-    assert any("assigns to dc.check" in f for f in flags) and any("torch.equal" in f for f in flags)
-    assert not _marker_processes(), "a learner's daemon survived the grading"
-
-
-def test_cli_self_check_interrupts_a_cell_past_its_timeout(tmp_path, capsys, no_orphans):
-    from distlab.cli import main
-    lab, lab_path, good, ids = _mini(tmp_path)
-    answers = _route_answers(good, ids, body="    while True:\n        pass\n")
-    answers[ids[1]] = good[ids[1]]                         # negate is right: the loop only costs double
-    paths = mk.write({"loop": mk.submission(lab, answers)}, tmp_path / "class")
-    rc = main(["grade", "--self", str(lab_path), str(paths["loop"]), "--timeout", "6", "--rank-timeout", "600"])
-    out = capsys.readouterr().out
-    assert rc == 1, out                                    # --self: exit 1 unless full marks
-    assert "| double on 2 ranks | 0/2 | FAIL: timed out: the check cell ran past 6 s" in out, out
-    assert "| negate on 2 ranks | 1/1 | PASS |" in out and "**1/3**" in out, out
-
-
-def test_the_graded_notebook_gives_the_same_verdicts_under_nbval(tmp_path, no_orphans):
-    import subprocess
-    import sys
-    lab, lab_path, good, ids = _mini(tmp_path)
-    subs = {"correct": mk.submission(lab, good),
-            "redefined": mk.submission(lab, _route_answers(good, ids, **ROUTES["redefine_check_print_compare"]))}
-    paths = mk.write(subs, tmp_path / "class")
-    results = grade(lab_path, list(paths.values()), keep=tmp_path / "keep", rank_timeout=30, jobs=2, echo=False)
-    assert _scores(results) == {"correct": 3, "redefined": 0}
-    for name, want in (("correct", 0), ("redefined", 1)):
-        (graded,) = (tmp_path / "keep").glob(f"{name}-*/graded.ipynb")
-        run = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
-                              "-p", "no:randomly", str(graded)], cwd=graded.parent, capture_output=True, text=True)
-        assert run.returncode == want, run.stdout[-3000:]
-        if want:   # nbval fails exactly the two check cells
-            assert "2 failed" in run.stdout, run.stdout[-3000:]
-
-
-# ---------------------------------------------------------------- chapters 1 and 2: a synthetic class each
-
-def _grade_class(tmp_path, lab, klass, only):
-    mk.write(klass, tmp_path / "class")
-    return grade(lab, [tmp_path / "class"], out=tmp_path / "grades", only=only, cell_timeout=240, rank_timeout=15,
-                 jobs=3, echo=True)
-
-
-def _check_reports(tmp_path, results):
-    rows = list(csv.DictReader(open(tmp_path / "grades/grades.csv")))
-    totals = {Path(r["submission"]).stem: float(r["points"]) for r in rows if r["check"] == "TOTAL"}
-    assert totals == _scores(results)
-    assert all(r["reason"] and "\n" not in r["reason"] for r in rows if r["status"] == "fail")
-    suites = ET.parse(tmp_path / "grades/junit.xml").getroot().findall("testsuite")
-    assert len(suites) == len(results)
-    assert sum(int(s.get("failures")) for s in suites) == sum(1 for r in rows if r["status"] == "fail")
-    md = (tmp_path / "grades/grades.md").read_text()
-    print(md)
-    assert "| Submission | Score |" in md
-
-
-def test_chapter1_class(tmp_path, no_orphans):
-    """Graded on the reduce-scatter check cell: values and traffic on 2, 3 and 4 ranks (6 points)."""
-    results = _grade_class(tmp_path, "01_collectives", mk.ch1_class(), only=["reduce_scatter"])
-    assert _scores(results) == {"correct": 6, "not_started": 0, "wrong": 0, "partial": 3, "crashing": 0,
-                                "hanging": 0, "tampered_check": 0, "deleted_check": 3, "invalid_json": 0,
-                                "rank_side_patch": 0}
-    assert any("called all_reduce" in r for r in _reasons(results, "partial"))
-    assert any("max |your result - reference|" in r for r in _reasons(results, "rank_side_patch"))
-    flags = next(r.flags for r in results if Path(r.submission).stem == "rank_side_patch")
-    assert any("assigns to dist.all_reduce" in f for f in flags)
-    assert all("not implemented yet" in r for r in _reasons(results, "not_started"))
-    assert any("ZeroDivisionError" in r for r in _reasons(results, "crashing"))
-    assert all("timed out" in r for r in _reasons(results, "hanging"))
-    assert all("invalid JSON" in r for r in _reasons(results, "invalid_json"))
-    _check_reports(tmp_path, results)
-
-
-def test_chapter2_class(tmp_path, no_orphans):
-    """Graded on the initial-broadcast check cell: one point per wrapper (3 points)."""
-    results = _grade_class(tmp_path, "02_ddp", mk.ch2_class(), only=["initial broadcast"])
-    assert _scores(results) == {"correct": 3, "not_started": 0, "wrong": 0, "partial": 1, "crashing": 0,
-                                "hanging": 0, "tampered_check": 0, "deleted_check": 1, "invalid_json": 0}
-    assert all("not implemented yet" in r for r in _reasons(results, "not_started"))
-    assert any("ZeroDivisionError" in r for r in _reasons(results, "crashing"))
-    assert all("timed out" in r for r in _reasons(results, "hanging"))
-    _check_reports(tmp_path, results)
-
-
-# ---------------------------------------------------------------- fast unit tests
-
-def test_reason_is_taken_from_the_matching_fail_line():
-    exp = "PASS NaiveDDP: initial broadcast from rank 0: every rank holds rank 0's weights"
-    lines = ["FAIL NaiveDDP: initial broadcast from rank 0: rank 1's w differs",
-             "FAIL Naive: something else"]
-    assert _fail_reason(exp, lines) == "rank 1's w differs"
-    assert _fail_reason("PASS x, 2 ranks: 24 cases", ["PASS x, 2 ranks: 12 cases"]).startswith("passed with a different")
-    assert _fail_reason("PASS y: ok", ["FAIL x: no"]) is None
-
-
-def test_answers_are_matched_by_id_then_order_then_name(tmp_path):
-    lab = load_lab(ROOT / "labs/01_collectives.ipynb")
-    sub = nbformat.read(ROOT / "labs/01_collectives.ipynb", as_version=4)
-    for i, cell in enumerate(c for c in sub.cells if "answer" in c.metadata.get("tags", [])):
-        cell.source += f"\n# learner {i}"
-        cell.id = f"renamed{i}"                       # ids lost: order among answer cells
-    cells, missing = extract_answers(lab, sub)
-    assert not missing and [src.endswith(f"# learner {i}") for i, (_, src) in enumerate(cells)] == [True] * 4
-    for cell in sub.cells:
-        cell.metadata["tags"] = []                    # tags lost too: found by the names they define
-    sub.cells = [c for c in sub.cells if "def ring_all_gather" not in c.source]
-    cells, missing = extract_answers(lab, sub)
-    assert len(cells) == 3 and missing == ["no answer cell for ring_all_gather"]
-
-
-def test_invalid_submissions_are_reported_in_one_line(tmp_path):
-    (tmp_path / "a.ipynb").write_text("{not json")
-    (tmp_path / "b.ipynb").write_text('{"cells": 3}')
-    for name in ("a", "b"):
-        nb, why = read_submission(tmp_path / f"{name}.ipynb")
-        assert nb is None and why.startswith("not a notebook") and "\n" not in why
-
-
-def test_answers_cannot_be_called_in_the_kernel_and_results_cannot_carry_code():
-    import cloudpickle
-    import torch
-    handle = RemoteAnswer(__import__("distlab.grading.remote").grading_remote.Answers([], ["f"]), "f", {})
-    with pytest.raises(GradingError):
-        handle(1)
-    assert torch.equal(safe_loads(cloudpickle.dumps({"t": torch.arange(3)}))["t"], torch.arange(3))
+def test_safe_loads_takes_plain_data_and_refuses_code():
+    data = {"results": {(7, "torch.bfloat16", "max"): torch.arange(7).to(torch.bfloat16)[2:]},
+            "comm": CommStats({"send": 1}, {"send": 4096}), "dtype": torch.int64, "size": torch.Size([2])}
+    back = safe_loads(pickle.dumps(data, protocol=4))
+    assert torch.equal(back["results"][7, "torch.bfloat16", "max"], torch.arange(2, 7).to(torch.bfloat16))
+    assert back["comm"] == CommStats({"send": 1}, {"send": 4096}) and back["dtype"] is torch.int64
 
     class Evil:
         def __reduce__(self):
             return (os.system, ("true",))
 
-    with pytest.raises(Exception, match="does not unpickle"):
-        safe_loads(cloudpickle.dumps(Evil()))
+    for bad in (pickle.dumps(Evil()), pickle.dumps(print), b"\x80\x04garbage", b""):
+        with pytest.raises(UnsafeResult):
+            safe_loads(bad)
 
 
-def test_audit_flags_code_that_could_tamper_on_a_rank():
-    from distlab.grading.report import audit
-    src = ("import torch.distributed as dist\n"
-           "def ring_all_reduce(t, op=None):\n"
-           "    dist.all_reduce = lambda *a, **k: None\n"
-           "    setattr(dist, 'send', None)\n"
-           "    vars(dist)['recv'] = None\n"
-           "    return t\n")
-    notes = audit(src)
-    assert any("assigns to dist.all_reduce" in n for n in notes)
-    assert any("setattr" in n for n in notes) and any("vars" in n for n in notes)
-    assert audit("def f(t):\n    return 2 * t\n") == []
+# ---------------------------------------------------------------- what the metered group books
+
+def test_booking_is_the_comm_meters_algorithmic_bytes():
+    from distlab.theory import collective_bytes_sent
+    from torch._C import TensorBase
+    book = booking(TensorBase.numel, TensorBase.element_size, TensorBase.dim, TensorBase.size)
+    t = torch.ones(1000)                      # 4000 bytes
+    n, me = 4, 1
+
+    class Opts:
+        rootRank = 0
+
+    cases = {
+        "send": ((([t], 2, 0)), collective_bytes_sent("send", 4000, n)),
+        "recv": ((([t], 2, 0)), 0),
+        "allreduce": (([t], None), collective_bytes_sent("all_reduce", 4000, n)),
+        "broadcast": (([t], None), 4000),
+        "_allgather_base": ((torch.ones(4000), t, None), collective_bytes_sent("all_gather", 16000, n)),
+        "allgather": (([[t] * n], [t], None), collective_bytes_sent("all_gather", 16000, n)),
+        "_reduce_scatter_base": ((t, torch.ones(4000), None), collective_bytes_sent("reduce_scatter", 16000, n)),
+        "alltoall_base": ((torch.ones(8, 125), torch.ones(8, 125), [2] * 4, [2] * 4, None), 3000),
+        "alltoall": (([t] * n, [t] * n, None), 3 * 4000),
+        "gather": (([], [t], Opts()), 4000),
+        "barrier": ((None,), 0),
+    }
+    for name, (args, want) in cases.items():
+        assert book(name, args, n, me) == (OP_KINDS[name], want), name
+    assert book("send", ([t], 0, 0), 1, 0) == ("send", 4000)       # one rank: a send still sends
+
+
+# ---------------------------------------------------------------- rank streams and evidence
+
+def _stream(*lines: str) -> tuple[bytes, bytes]:
+    key = channel.new_key()
+    return key + b"".join(channel.seal(key, i, line.encode()) for i, line in enumerate(lines)), key
+
+
+def test_stream_gives_traffic_per_region_and_evidence():
+    raw, _ = _stream("pg\t0\t2\t0", "op\tsend\t4\t0", "region\tbegin\t0\t0", "op\tsend\t4096\t0",
+                     "op\trecv\t0\t0", "region\tend\t0\t0", "region\tbegin\t1\t1", "op\tall_reduce\t8\t0",
+                     "region\tend\t1\t1", "ev\tsys._getframe\t\t<answer cell ab12 line 3", "finish\tabc")
+    log = evidence.read_stream(raw)
+    assert log.regions[0] == CommStats({"send": 1, "recv": 1}, {"send": 4096, "recv": 0})
+    assert log.learner_regions == {1} and log.digest == "abc" and not log.problem
+    assert log.evidence == ["sys._getframe (answer cell ab12 line 3)"]
+    problems: list[str] = []
+    out = evidence.substitute({"comm": {REGION_KEY: 0}, "x": [{REGION_KEY: 1}, {REGION_KEY: -1}]}, log, problems)
+    assert out["comm"] == log.regions[0] and out["x"] == [CommStats(), CommStats()]
+    assert problems == ["traffic figures from a meter that learner code opened",
+                        "traffic figures that the check's meter did not produce"]
+
+
+def test_stream_that_is_forged_cut_or_disowns_its_outputs_is_evidence():
+    import hashlib
+    raw, key = _stream("op\tsend\t4\t0", "finish\t" + hashlib.sha256(b"outputs").hexdigest())
+    assert evidence.check_outputs(evidence.read_stream(raw), b"outputs") == ""
+    assert "changed after" in evidence.check_outputs(evidence.read_stream(raw), b"other outputs")
+    cut = raw[: len(raw) - len(channel.seal(key, 1, b"finish\t" + b"0" * 64))]
+    assert "ended before the rank returned" in evidence.check_outputs(evidence.read_stream(cut), b"outputs")
+    forged = raw + channel.seal(channel.new_key(), 2, b"op\tsend\t4096\t0")
+    assert "tampered with" in evidence.check_outputs(evidence.read_stream(forged), b"outputs")
+    assert "missing" in evidence.read_stream(b"").problem
+
+
+def test_evidence_is_summarized_once_per_thing_seen():
+    seen = ["rank 0: open /proc/12/fd/1 for writing (answer cell a line 2)",
+            "rank 1: open /proc/13/fd/1 for writing (answer cell a line 2)", "rank 1: gc.get_objects"]
+    assert summarize(seen) == ["open /proc/<pid>/fd/1 for writing (answer cell a line 2) [ranks 0, 1]",
+                               "gc.get_objects [rank 1]"]
+
+
+# ---------------------------------------------------------------- the shipped lab and the submissions
+
+def test_the_lab_grades_what_its_check_cells_call():
+    assert grade_calls('# do not edit\ngrade("all_reduce", ring_all_reduce)\n') == [("all_reduce",
+                                                                                   ["ring_all_reduce"])]
+    lab = load_lab("01_collectives")
+    assert [(g.task.name, g.names) for g in lab.graded] == [
+        ("reduce_scatter", ("ring_reduce_scatter",)), ("all_gather", ("ring_all_gather",)),
+        ("all_reduce", ("ring_all_reduce",)), ("naive_all_reduce", ("naive_all_reduce",))]
+    assert sum(len(g.lines) for g in lab.graded) == 24
+    one = load_lab("01_collectives").select(["all_gather, 3 ranks"])
+    assert [(g.task.name, g.cases) for g in one.graded] == [("all_gather", (1,))]
+    assert one.graded[0].lines == ["all_gather, 3 ranks, values", "all_gather, 3 ranks, traffic"]
+    with pytest.raises(ValueError, match="matches"):
+        load_lab("01_collectives").select(["no such check"])
+
+
+def test_answers_are_matched_by_id_then_order_then_name():
+    lab = load_lab("01_collectives")
+    nb = nbformat.read(ROOT / "labs/01_collectives.ipynb", as_version=4)
+    for i, cell in enumerate(c for c in nb.cells if "answer" in c.metadata.get("tags", [])):
+        cell.source += f"\n# learner {i}\n%timeit 1"
+        cell.id = f"renamed{i}"                       # ids lost: order among answer cells
+    cells = submission._cells(json.loads(nbformat.writes(nb)))
+    got, missing = submission.answers(lab, cells)
+    assert not missing and [src.endswith(f"# learner {i}\n# (ignored by distlab grade) %timeit 1")
+                            for i, (_, src) in enumerate(got)] == [True] * 4
+    for cell in nb.cells:
+        cell.metadata["tags"] = []                    # tags lost too: found by the names they define
+    nb.cells = [c for c in nb.cells if "def ring_all_gather" not in c.source]
+    got, missing = submission.answers(lab, submission._cells(json.loads(nbformat.writes(nb))))
+    assert len(got) == 3 and missing == ["no answer cell for ring_all_gather"]
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("{not json", "not a notebook: invalid JSON at line 1"), ('{"cells": 3}', "not a notebook: no list of cells"),
+    ("", "not a notebook: invalid JSON"), ("[" * 100_000, "not a notebook"),
+    ('{"cells": [], "pad": "' + "x" * (21 << 20) + '"}', "the file is 21 MiB (limit 20 MiB)")])
+def test_files_that_are_not_notebooks_get_a_one_line_reason(tmp_path, text, reason):
+    path = tmp_path / "sub.ipynb"
+    path.write_text(text)
+    with pytest.raises(submission.BadSubmission) as info:
+        submission.read(path)
+    assert str(info.value).startswith(reason) and "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- the sandbox's view
+
+def test_the_sandbox_shows_the_environment_and_the_package_only():
+    argv = sandbox.argv()
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--bind", "--dev-bind")]
+    for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-user", "--die-with-parent",
+                 "--clearenv"):
+        assert flag in argv
+    assert str(ROOT / "distlab") in binds or all(not b.startswith(str(ROOT)) for b in binds)
+    assert not any(b == str(ROOT) or b.startswith(str(ROOT / "solutions")) or b.startswith(str(ROOT / "labs"))
+                   or b.startswith(str(ROOT / "tests")) for b in binds), binds
+    assert argv[argv.index("--tmpfs") - 2: argv.index("--tmpfs") + 2][-1] == "/tmp"
+
+
+# ---------------------------------------------------------------- reports
+
+def test_reports_have_one_row_per_line_and_the_audit_column(tmp_path):
+    from distlab.grading.report import write_reports
+    results = [Result("a.ipynb", [Verdict("x, 2 ranks, values", 1, 1), Verdict("x, 2 ranks, traffic", 0, 1,
+                                                                               "rank 0 called all_reduce")]),
+               Result("b.ipynb", [Verdict("x, 2 ranks, values", 0, 1, "audit: gc.get_objects")],
+                      flags=["x: gc.get_objects [rank 0]"]),
+               Result("c.ipynb", note="not a notebook: invalid JSON at line 1 column 2 (Expecting value)")]
+    write_reports(results, tmp_path, lab="01_collectives")
+    rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
+    assert [(r["submission"], r["points"]) for r in rows if r["check"] == "TOTAL"] == [
+        ("a.ipynb", "1"), ("b.ipynb", "0"), ("c.ipynb", "0")]
+    md = (tmp_path / "grades.md").read_text()
+    assert "| b.ipynb | 0 | 1 | 0/1 | x, 2 ranks, values: audit: gc.get_objects | x: gc.get_objects [rank 0] |" in md
+    suites = ET.parse(tmp_path / "junit.xml").getroot().findall("testsuite")
+    assert [s.get("failures") for s in suites] == ["1", "1", "0"]
+
+
+# ---------------------------------------------------------------- the audit hook, in a child process
+
+HOOK_SCRIPT = '''
+import os, sys, tempfile, threading, time
+from distlab.grading import audithook
+from distlab.grading.evidence import read_stream
+path = os.path.join(tempfile.mkdtemp(), "events")
+os.mkfifo(path)
+fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+audithook.install(path, {}, ("distlab.checks.verdict",))
+ns = {}
+exec(compile(open(sys.argv[1]).read(), "<answer cell t1>", "exec"), ns)
+time.sleep(0.2)
+print("EVIDENCE", repr(read_stream(os.read(fd, 1 << 20)).evidence))
+'''
+
+LEARNER = '''
+import json, math, email.mime.text               # imports of library modules: not evidence
+json.loads("[1]")
+open(math.__file__ if hasattr(math, "__file__") else json.__file__).close()   # reading the library: fine
+_b = __builtins__ if isinstance(__builtins__, dict) else vars(__builtins__)
+getattr(_b["__imp" + "ort__"]("s" + "ys"), "_get" + "frame")(0)
+_b["__imp" + "ort__"]("g" + "c").get_referrers(json)
+import distlab.checks.verdict as v
+v.compare.__code__ = (lambda *a, **k: "exact").__code__
+open("/proc/self/status").read()
+exec(compile("x = 1", v.__file__, "exec"))
+threading = _b["__imp" + "ort__"]("threading")
+threading.Thread(target=lambda: None).start()
+import sys
+try:
+    sys.audit("distlab.finish", "0" * 64)
+except RuntimeError:
+    pass
+'''
+
+
+def test_the_audit_hook_records_what_learner_code_does_and_not_what_the_library_does(tmp_path):
+    (tmp_path / "hook.py").write_text(HOOK_SCRIPT)
+    (tmp_path / "learner.py").write_text(textwrap.dedent(LEARNER))
+    run = subprocess.run([sys.executable, str(tmp_path / "hook.py"), str(tmp_path / "learner.py")],
+                         capture_output=True, text=True, timeout=120)
+    line = next(l for l in run.stdout.splitlines() if l.startswith("EVIDENCE"))
+    seen = eval(line[len("EVIDENCE "):])   # noqa: S307 - our own child's repr of a list of str
+    text = "\n".join(seen)
+    for what in ("sys._getframe", "gc.get_referrers", "object.__setattr__ __code__ (answer cell t1 line 9)",
+                 "open /proc/self/status", "exec code under a library file name", "forged distlab.finish"):
+        assert what in text, (what, text, run.stderr[-2000:])
+    assert not any(("json" in s or "email" in s or "math" in s) and "open" in s for s in seen), seen
+    assert len(seen) == 7, "\n".join(seen)   # compile and exec of the forged file name: two lines
+
+
+# ---------------------------------------------------------------- when bubblewrap is missing or broken
+
+def test_without_bwrap_the_grader_says_so_once_and_what_that_means(monkeypatch):
+    from distlab.grading import cli
+    said: list[str] = []
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    assert cli.sandbox_for(False, said.append) is None
+    assert said == [cli.NO_BWRAP] and "WITHOUT a sandbox" in said[0] and "apt-get install bubblewrap" in said[0]
+    said.clear()
+    assert cli.sandbox_for(True, said.append) is None and said == [cli.NO_SANDBOX]
+
+
+def test_a_bwrap_that_cannot_start_a_sandbox_stops_the_run_with_what_to_do(monkeypatch):
+    from distlab.grading import cli
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: "/usr/bin/bwrap")
+    monkeypatch.setattr(sandbox, "works", lambda user_ns=True: False)
+    with pytest.raises(RuntimeError, match="--no-sandbox"):
+        cli.sandbox_for(False, print)
+
+
+def test_the_cli_says_what_is_missing_and_grades_nothing(tmp_path, capsys):
+    from distlab.cli import main
+    (tmp_path / "empty").mkdir()
+    for argv, words in ((["01_collectives"], "give at least one submission"),
+                        (["01_collectives", str(tmp_path / "nope")], f"no such file or folder: {tmp_path / 'nope'}"),
+                        (["01_collectives", str(tmp_path / "empty")], "holds no notebook (.ipynb)"),
+                        (["99_nothing", str(tmp_path / "empty"), "--self"], "no shipped lab called '99_nothing'")):
+        assert main(["grade", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("distlab grade: ") and words in err, err
+    assert not (tmp_path / "grades").exists() and not Path("grades").exists()

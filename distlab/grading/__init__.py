@@ -1,1 +1,15 @@
-"""`distlab grade`: instructors grade a class's lab notebooks (see `distlab.grading.grade`)."""
+"""`distlab grade`: instructors grade a class's lab notebooks; verdicts are never computed where learner code runs.
+
+    lab.py          what the shipped lab grades (its check cells, parsed), its answer cells
+    submission.py   a learner's notebook, read defensively: only its answer cells
+    classrun.py     a class run: every submission, `--jobs` at a time; reports always written
+    grade.py        one submission: run its answers (sandbox + runner), judge here, apply the evidence
+    sandbox.py      bubblewrap around the runner; the authenticated result pipe
+    runner.py       inside the sandbox: launches every case's ranks, sends sealed records
+    rankside.py     on each rank: audit hook, metered process group, then PRELUDE + the learner's cells
+    audithook.py    the hook: runs and books every collective, streams evidence as it happens
+    pgmeter.py      the metered ProcessGroup (holds no communicator) and the bytes it books
+    channel.py      sealed (HMAC), ordered records; safeload.py: unpickling without running code
+    evidence.py     reading a rank's stream: traffic per meter region, what learner code did
+    report.py       grades.csv, grades.md, junit.xml;  bench.py: seconds per submission;  cli.py
+"""

@@ -1,33 +1,33 @@
-"""`distlab grade`: grade a class's lab notebooks against the shipped lab's checks.
+"""Grading one submission: its answers run sandboxed; every verdict is computed here.
 
-    distlab grade 01_collectives submissions/ --out grades/
-    distlab grade --self 01_collectives          # a learner, on labs/01_collectives.ipynb
-
-For each submission: take the learner's answer cells, rebuild the notebook from
-the shipped lab (its own setup and check cells, its committed verdicts), run it
-in a fresh worker + kernel with the answers executed on the ranks only
-(`distlab.grading.remote`), and score each graded verdict line: it earns its
-points when the expected `PASS ...` line is printed exactly. Points come from a
-check cell's `metadata.distlab.points` (per verdict line of that cell, default
-1). Writes grades.csv, grades.md and junit.xml to --out.
+`prepare` reads which tasks the shipped lab grades (`lab.load_lab`) and
+computes every case's reference once, in this process, with no learner code
+anywhere near it. `run_answers` sends a submission's answer cells to a
+runner (`sandbox`, `runner`), then for each case verifies the ranks' event
+streams (`evidence`), unpickles their outputs safely (`safeload`), replaces
+their traffic figures by what the audit hook booked, validates them and calls
+the task's own `judge` here. Evidence that learner code tampered zeroes every
+line of the task it was seen in; the Audit column says what was seen. A
+failure is a one-line reason, never an exception (`grade_one`); the class
+run is `classrun.grade`.
 """
 from __future__ import annotations
 
-import hashlib
-import shutil
-import sys
+import base64
+import binascii
+import os
+import re
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
-import nbformat
-
-from distlab.grading.build import Lab, build, extract_answers, load_lab, read_submission
-from distlab.grading.report import audit, write_reports
-from distlab.grading.worker import run_isolated
-from distlab.labs import is_check_cell
+from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
+from distlab.checks.verdict import CheckFailed, reason
+from distlab.grading import evidence, sandbox, submission
+from distlab.grading.lab import ShippedLab, load_lab
+from distlab.grading.safeload import UnsafeResult, safe_loads
 
 
 @dataclass
@@ -36,15 +36,17 @@ class Verdict:
     points: float
     max_points: float
     reason: str = ""          # one line, empty when passed
+    judged: str = ""          # the task's own verdict line, before any audit zeroed it
 
 
 @dataclass
 class Result:
     submission: str
-    verdicts: list = field(default_factory=list)
-    note: str = ""            # one line about the whole submission (invalid JSON, timeout, ...)
-    flags: list = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    note: str = ""            # one line about the whole submission (invalid JSON, runner killed, ...)
+    flags: list[str] = field(default_factory=list)     # the Audit column: what was seen
     seconds: float = 0.0
+    cpu_s: float = 0.0        # CPU seconds its sandbox used (runner, fork server, ranks)
 
     @property
     def score(self) -> float:
@@ -55,164 +57,174 @@ class Result:
         return sum(v.max_points for v in self.verdicts)
 
 
-def _one_line(text: str, limit: int = 200) -> str:
+@dataclass
+class Options:
+    sandbox: list[str] | None = None      # the bwrap argv, or None to run without a sandbox
+    stall_s: float = CHECK_STALL_S        # a case's ranks idle this long: hung (the launcher's detection)
+    case_cap_s: float = 180.0             # last resort per launch (ranks that keep working: a busy loop)
+    submission_cap_s: float = 1800.0      # last resort per submission
+    backend: str = "gloo"
+    keep: Path | None = None              # keep each runner's log here
+    progress: Callable[[str], None] | None = None
+
+
+def one_line(text: Any, limit: int = 400) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _fail_reason(expected: str, lines: list[str]) -> str | None:
-    """The reason of the FAIL line (or differing PASS line) printed for `expected`'s check."""
-    want = expected[5:]
-    best, best_len = None, -1
-    for line in lines:
-        kind, _, rest = line.partition(" ")
-        if kind not in ("PASS", "FAIL"):
-            continue
-        pos = rest.find(": ")
-        while pos != -1:
-            name = rest[:pos]
-            if (want == name or want.startswith(name + ": ")) and len(name) > best_len:
-                detail = rest[pos + 2:]
-                best = detail if kind == "FAIL" else f"passed with a different result: {detail}"
-                best_len = len(name)
-            pos = rest.find(": ", pos + 1)
-        if kind == "FAIL" and want == rest and len(rest) > best_len:
-            best, best_len = "failed", len(rest)
-    return best
+def prepare(lab: str | Path, only: list[str] | None = None, *, first_case: bool = False) -> ShippedLab:
+    """The lab, its selected tasks (`first_case`: each task's first case only), and every graded case's
+    reference computed once (here, no learner code)."""
+    the_lab = load_lab(lab).select(only)
+    if first_case:
+        the_lab.first_cases()
+    for graded in the_lab.graded:
+        cases = graded.task.cases()
+        for i in graded.cases:
+            reference_of(graded.task, cases[i])
+    return the_lab
 
 
-def _cell_error(cell, cell_timeout: float) -> str | None:
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "error":
-            if out.get("ename") in ("KeyboardInterrupt", "CellTimeoutError"):
-                return f"timed out: the check cell ran past {cell_timeout:g} s and was interrupted"
-            value = str(out.get("evalue", "")).strip().splitlines()
-            return f"the check cell raised {out.get('ename')}: {value[-1] if value else ''}"
-    return None
+def _case_outputs(record: dict, seen: list[str]) -> list[Any]:
+    """One case's outputs, safe to judge; evidence found on the way goes to `seen`."""
+    streams = record.get("streams") or []
+    flooded = record.get("flooded") or [False] * len(streams)
+    logs = [evidence.read_stream(_b64(s), bool(f)) for s, f in zip(streams, flooded)]
+    for r, log in enumerate(logs):
+        seen += [f"rank {r}: {e}" for e in log.evidence]
+    if record.get("status") != "ok":
+        raise CheckFailed(record.get("reason") or "the case failed")
+    blobs = [_b64(b) for b in record.get("outputs") or []]
+    if len(blobs) != len(logs) or not blobs:
+        raise CheckFailed("malformed result: outputs and audit streams do not match the ranks")
+    outputs = []
+    for r, (blob, log) in enumerate(zip(blobs, logs)):
+        why = evidence.check_outputs(log, blob)
+        if why:
+            seen.append(f"rank {r}: {why}")
+        try:
+            raw = safe_loads(blob)
+        except UnsafeResult as exc:
+            raise CheckFailed(str(exc)) from None
+        problems: list[str] = []
+        outputs.append(evidence.substitute(raw, log, problems))
+        seen += [f"rank {r}: {p}" for p in dict.fromkeys(problems)]
+    return outputs
 
 
-def score(lab: Lab, executed, note: str, cell_timeout: float) -> list[Verdict]:
-    """One Verdict per expected verdict line of the shipped lab."""
-    cells = {} if executed is None else {c.metadata.get("distlab_check_index"): c for c in executed.cells
-                                         if c.cell_type == "code" and is_check_cell(c)}
-    out = []
-    for chk in lab.checks:
-        cell = cells.get(chk.cell)
-        if cell is None or cell.get("execution_count") is None and not cell.outputs:
-            out.append(Verdict(chk.name, 0, chk.points, _one_line(f"not run: {note or 'an earlier cell stopped the notebook'}")))
-            continue
-        text = "".join(o.get("text", "") for o in cell.outputs
-                       if o.get("output_type") == "stream" and o.get("name") == "stdout")
-        lines = [line for line in text.splitlines() if line.strip()]
-        if chk.expected in lines:
-            out.append(Verdict(chk.name, chk.points, chk.points))
-            continue
-        reason = (_fail_reason(chk.expected, lines) or _cell_error(cell, cell_timeout)
-                  or (f"no verdict printed ({note})" if note else "no verdict printed"))
-        out.append(Verdict(chk.name, 0, chk.points, _one_line(reason)))
-    return out
-
-
-def grade_one(lab: Lab, path: Path, *, cell_timeout: float, rank_timeout: float,
-              total_timeout: float | None = None, name: str | None = None, keep: Path | None = None) -> Result:
-    start = time.monotonic()
-    res = Result(name or _display(path))
-    sub, why = read_submission(path)
-    if sub is None:
-        res.note = why
-        res.verdicts = [Verdict(c.name, 0, c.points, _one_line(why)) for c in lab.checks]
-        return res
-    answers, missing = extract_answers(lab, sub)
-    res.flags = audit("\n".join(src for _, src in answers))
-    notes = list(missing)
-    if keep is not None:   # the graded notebook stays for a look (or `pytest --nbval-lax` on it)
-        workdir = Path(keep) / f"{Path(path).stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:6]}"
-        workdir.mkdir(parents=True, exist_ok=True)
-    else:
-        workdir = Path(tempfile.mkdtemp(prefix="distlab-grade-"))
+def _b64(text: Any) -> bytes:
     try:
-        nb = build(lab, answers, workdir, rank_timeout)
-        n_cells = sum(1 for c in nb.cells if c.cell_type == "code")
-        total = total_timeout or cell_timeout * n_cells + 60
-        executed, run_note = run_isolated(nb, workdir, cell_timeout, total)
-        if keep is not None and executed is not None:
-            nbformat.write(executed, workdir / "executed.ipynb")
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        return b""
+
+
+def summarize(seen: list[str], limit: int = 8) -> list[str]:
+    """Evidence lines once each, with the ranks that showed them ('rank 0: x', 'rank 1: x' -> 'x (ranks 0, 1)');
+    process ids in /proc paths do not make lines distinct."""
+    ranks: dict[str, list[str]] = {}
+    for item in seen:
+        who, _, what = item.partition(": ") if item.startswith("rank ") else ("", "", item)
+        what = re.sub(r"/proc/\d+/", "/proc/<pid>/", what)
+        ranks.setdefault(what, [])
+        if who and who[5:] not in ranks[what]:
+            ranks[what].append(who[5:])
+    out = [what + (f" [rank {', '.join(r)}]" if len(r) == 1 else f" [ranks {', '.join(r)}]" if r else "")
+           for what, r in ranks.items()]
+    return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
+
+
+def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], failure: str = "") -> list[Line]:
+    """The verdict lines of one case, judged here from the runner's record (like `run_task`)."""
+    try:
+        if record is None:
+            raise CheckFailed(f"not run: {failure or 'the runner sent no result for this case'}")
+        outputs = _case_outputs(record, seen)
+        validate(outputs)
+        ref = reference_of(task, case)
+    except Exception as exc:  # noqa: BLE001 - every failure is a verdict
+        return [Line(n, False, reason(exc, task.hang_hint)) for n in case.lines]
+    try:
+        lines = {line.name: line for line in task.judge(case, outputs, ref)}
+    except Exception as exc:  # noqa: BLE001 - a malformed output must not crash the verdict
+        lines = {n: Line(n, False, f"malformed result from the ranks ({type(exc).__name__})") for n in case.lines}
+    return [lines.get(n, Line(n, False, "no verdict (malformed result)")) for n in case.lines]
+
+
+def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], list[str]]:
+    """Every graded line from the runner's records; (verdicts, audit flags)."""
+    records = {(r.get("task"), r.get("case")): r for r in outcome.records if r.get("kind") == "case"}
+    verdicts, flags = [], []
+    for graded in lab.graded:
+        task, cases, seen = graded.task, graded.task.cases(), []
+        lines = [line for i in graded.cases
+                 for line in judge_case(task, cases[i], records.get((task.name, i)), seen, outcome.failure)]
+        seen = summarize(seen)
+        flags += [f"{task.name}: {s}" for s in seen]
+        for line in lines:
+            if seen:
+                verdicts.append(Verdict(line.name, 0, task.points, one_line(f"audit: {seen[0]}"), str(line)))
+            else:
+                verdicts.append(Verdict(line.name, task.points if line.ok else 0, task.points,
+                                        "" if line.ok else one_line(line.detail or "failed"), str(line)))
+    return verdicts, flags
+
+
+def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts: Options
+                ) -> tuple[list[Verdict], list[str], str, float]:
+    """Run one set of answer cells in a runner and judge it: (verdicts, audit flags, runner failure, CPU s)."""
+    job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
+           "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
+           "cap_s": opts.case_cap_s, "backend": opts.backend}
+    if opts.keep:
+        log = Path(opts.keep) / f"{Path(name).stem}.runner.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        handle, raw = tempfile.mkstemp(prefix="distlab-runner-", suffix=".log")
+        os.close(handle)
+        log = Path(raw)
+    on_record = None
+    if opts.progress is not None:
+        total, count = sum(len(g.cases) for g in lab.graded), [0]
+
+        def on_record(rec: dict) -> None:
+            if rec.get("kind") == "case":
+                count[0] += 1
+                ok = rec.get("status") == "ok"
+                opts.progress(f"[{count[0]}/{total}] {rec.get('task')}, {rec.get('world_size')} ranks: "
+                              + ("ran" if ok else one_line(rec.get("reason", ""), 120)))
+    try:
+        outcome = sandbox.run(job, sandbox=opts.sandbox, cap_s=opts.submission_cap_s, log=log, on_record=on_record)
     finally:
-        if keep is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    if run_note:
-        notes.append(run_note)
-    res.note = _one_line("; ".join(notes))
-    res.verdicts = score(lab, executed, run_note, cell_timeout)
+        if not opts.keep:
+            log.unlink(missing_ok=True)
+    verdicts, flags = judge(lab, outcome)
+    return verdicts, flags, outcome.failure, outcome.cpu_s
+
+
+def failed(lab: ShippedLab, name: str, note: str) -> Result:
+    """A submission that could not be graded: every line 0 with `note` as its reason."""
+    return Result(name, [Verdict(line, 0, g.task.points, one_line(note)) for g in lab.graded for line in g.lines],
+                  note=one_line(note))
+
+
+def read_answers(lab: ShippedLab, path: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """A submission's answer cells and notes on missing ones; BadSubmission when it is not a notebook."""
+    return submission.answers(lab, submission.read(path))
+
+
+def grade_one(lab: ShippedLab, path: Path, name: str, opts: Options) -> Result:
+    """One submission, start to end; never raises (a failure is the Result's note)."""
+    start = time.monotonic()
+    try:
+        answers, missing = read_answers(lab, path)
+        verdicts, flags, failure, cpu_s = run_answers(lab, answers, name, opts)
+        res = Result(name, verdicts, one_line("; ".join(missing + ([failure] if failure else []))), flags,
+                     cpu_s=cpu_s)
+    except submission.BadSubmission as exc:
+        res = failed(lab, name, str(exc))
+    except Exception as exc:  # noqa: BLE001 - one broken submission never stops the class
+        res = failed(lab, name, f"internal error while grading ({type(exc).__name__}: {exc}); please report it")
     res.seconds = time.monotonic() - start
     return res
-
-
-def _display(path: Path) -> str:
-    """The path relative to the current folder when under it, else as given."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def expand(submissions: list[Path]) -> list[tuple[Path, str]]:
-    """(path, name in the report): files as given; folders -> their .ipynb files (checkpoints skipped)."""
-    out = []
-    for p in submissions:
-        p = Path(p)
-        if p.is_dir():
-            for q in sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts):
-                out.append((q, str(Path(p.resolve().name) / q.relative_to(p))))
-        else:
-            out.append((p, _display(p)))
-    return out
-
-
-def grade(lab: str | Path, submissions: list[Path], *, out: Path | None = None, cell_timeout: float = 300,
-          rank_timeout: float = 60, total_timeout: float | None = None, jobs: int = 1,
-          only: list[str] | None = None, keep: Path | None = None, echo: bool = True) -> list[Result]:
-    """Grade every submission (in order, `jobs` at a time); write reports to `out` if given."""
-    the_lab = load_lab(lab).select(only)
-    paths = expand(submissions)
-
-    def one(item: tuple[Path, str]) -> Result:
-        r = grade_one(the_lab, item[0], cell_timeout=cell_timeout, rank_timeout=rank_timeout,
-                      total_timeout=total_timeout, keep=keep, name=item[1])
-        if echo:
-            print(f"{r.submission}: {r.score:g}/{r.max_score:g}" + (f"  ({r.note})" if r.note else ""), flush=True)
-        return r
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = list(pool.map(one, paths))
-    if out is not None:
-        write_reports(results, Path(out), lab=str(the_lab.path))
-    return results
-
-
-def main(args) -> int:
-    """The `distlab grade` subcommand (see distlab/cli.py)."""
-    from distlab.grading.report import markdown
-    subs = list(args.submissions)
-    if args.self:
-        if not subs:
-            try:
-                subs = [Path("labs") / load_lab(args.lab).path.name]
-            except (FileNotFoundError, ValueError) as exc:
-                print(f"distlab grade: {exc}", file=sys.stderr)
-                return 2
-    elif not subs:
-        print("distlab grade: give at least one submission (a notebook or a folder), or --self", file=sys.stderr)
-        return 2
-    try:
-        results = grade(args.lab, subs, out=args.out, cell_timeout=args.timeout, rank_timeout=args.rank_timeout,
-                        jobs=args.jobs, only=args.only, keep=args.keep, echo=not args.self)
-    except (FileNotFoundError, ValueError) as exc:   # no such lab, a lab without checks, --only matching nothing
-        print(f"distlab grade: {exc}", file=sys.stderr)
-        return 2
-    print(markdown(results, detail=args.self))
-    if args.out is not None:
-        print(f"wrote {args.out}/grades.csv, grades.md, junit.xml")
-    if args.self:
-        return 0 if all(r.score == r.max_score for r in results) else 1
-    return 0

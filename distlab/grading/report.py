@@ -1,60 +1,13 @@
-"""Reports of `distlab grade`: CSV, Markdown, JUnit XML, and an audit of suspicious answers."""
+"""Reports of a class run: grades.csv (one row per verdict line), grades.md, junit.xml.
+
+The Audit column lists what the audit hooks saw learner code do (see
+`distlab.grading.evidence`); a task with any such evidence scores zero.
+"""
 from __future__ import annotations
 
-import ast
 import csv
 import xml.etree.ElementTree as ET
 from pathlib import Path
-
-# Constructs an honest answer to these labs never needs. Learner code runs on
-# the ranks, where it could tamper with the rank-side half of a check; the
-# audit lists such code for the instructor to read. It changes no score.
-_SUSPICIOUS_CALLS = {"setattr", "delattr", "globals", "exec", "eval", "compile", "__import__", "vars"}
-_SUSPICIOUS_ATTRS = {"_getframe", "f_globals", "f_locals", "f_back", "modules", "_exit", "get_objects",
-                     "__builtins__", "__dict__", "__kwdefaults__", "__defaults__", "__code__", "kill", "fork"}
-_SUSPICIOUS_MODULES = {"builtins", "ctypes", "inspect", "gc", "signal", "subprocess", "distlab.checks",
-                       "distlab.launch", "distlab.meters", "importlib", "socket", "zmq",
-                       "jupyter_client", "multiprocessing", "threading"}
-_PATCHABLE = {"dist", "torch", "distlab", "checks", "os", "sys", "builtins", "F", "nn"}
-
-
-def audit(source: str) -> list[str]:
-    """Short notes on code that could tamper with a check (deduplicated, in order)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
-        return [f"syntax error line {exc.lineno}"]
-    notes: list[str] = []
-    modules = set(_PATCHABLE)   # names bound to imported modules: assigning their attributes patches them
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SUSPICIOUS_CALLS:
-            notes.append(f"calls {node.func.id}() line {node.lineno}")
-        elif isinstance(node, ast.Attribute) and node.attr in _SUSPICIOUS_ATTRS:
-            notes.append(f"uses .{node.attr} line {node.lineno}")
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            notes += [f"imports {m} line {node.lineno}" for m in mods if m in _SUSPICIOUS_MODULES]
-        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
-            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
-            for t in targets:
-                base = t
-                while isinstance(base, ast.Attribute):
-                    base = base.value
-                if t is not base and isinstance(base, ast.Name) and base.id in modules:
-                    notes.append(f"assigns to {ast.unparse(t)} line {node.lineno}")
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            notes.append(f"declares {type(node).__name__.lower()} {', '.join(node.names)} line {node.lineno}")
-        elif isinstance(node, ast.Name) and node.id in ("print", "check", "compare", "expect") \
-                and isinstance(node.ctx, ast.Store):
-            notes.append(f"rebinds {node.id} line {node.lineno}")
-        elif isinstance(node, ast.FunctionDef) and node.name in ("__reduce__", "__reduce_ex__", "__setstate__"):
-            notes.append(f"defines {node.name} (runs when unpickled) line {node.lineno}")
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ("print", "check", "compare"):
-            notes.append(f"defines {node.name} line {node.lineno}")
-    return list(dict.fromkeys(notes))
 
 
 def _fmt(x: float) -> str:
@@ -63,6 +16,11 @@ def _fmt(x: float) -> str:
 
 def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _audit(flags: list[str], limit: int = 160) -> str:
+    text = "; ".join(flags[:2]) + (f"; and {len(flags) - 2} more" if len(flags) > 2 else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def markdown(results, detail: bool = False) -> str:
@@ -83,7 +41,7 @@ def markdown(results, detail: bool = False) -> str:
         if len(note) > 120:
             note = note[:117] + "..."
         rows.append(f"| {r.submission} | {_fmt(r.score)} | {_fmt(r.max_score)} | {passed}/{len(r.verdicts)} | "
-                    f"{_cell(note)} | {_cell('; '.join(r.flags[:3]))} |")
+                    f"{_cell(note)} | {_cell(_audit(r.flags))} |")
     return "\n".join(rows)
 
 

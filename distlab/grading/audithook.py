@@ -1,0 +1,348 @@
+"""The audit hook a graded rank installs before any learner code: evidence that cannot be erased.
+
+`install(stream_path, ...)` opens the rank's event stream (a FIFO the sandbox
+runner reads), writes a fresh random key as its first 32 bytes, and adds a
+`sys.addaudithook` hook, which no Python code can remove. From then on the
+hook writes sealed records (`distlab.grading.channel`) the moment something
+happens:
+
+- `op`: every call on a `MeteredGroup` (the hook runs it on the real group,
+  which only the hook references, and books its algorithmic bytes);
+- `region`: `track_comm` blocks opened and closed (`learner` = 1 when learner
+  code was on the stack, so its figures are not the check's); while a block is
+  open, each op is also added to its meter's `calls` and `bytes` (a check may
+  read them during the block: the dispatch mode that counts them outside
+  grading sees no op of a Python process group);
+- `ev`: events that learner code caused and an honest answer never needs:
+  reading the stack or other objects' internals, replacing code, ctypes,
+  processes, threads, signals, sockets, file access outside the Python
+  environment and the package, forged `distlab.*` audit events;
+- `changed`: functions or classes of distlab / torch.distributed rebound
+  between two checkpoints; `finish`: the digest of the rank's outputs.
+
+Everything the hook uses is bound here, before learner code runs, and kept
+in its closure: learner code can rebind module attributes, but not these.
+The runner knows the key only from the stream's first bytes, so records a
+learner writes into the FIFO without it are refused (see `channel`).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from typing import Any
+
+# Events worth a record when learner code caused them. "open" is filtered by path and mode below.
+WATCH = frozenset({
+    "sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
+    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "object.__setattr__", "object.__delattr__",
+    "code.__new__", "function.__new__", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+    "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
+    "_thread.start_new_thread", "mmap.__new__", "os.listdir", "os.scandir", "os.remove", "os.rename",
+    "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink", "os.utime",
+    "os.chdir", "shutil.rmtree", "shutil.copyfile", "resource.setrlimit", "resource.prlimit", "fcntl.ioctl",
+    "open", "compile", "exec", "import", "object.__getattr__",
+})
+PREFIXES = ("ctypes.", "socket.", "_posixsubprocess.")
+FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_globals", "f_locals"})
+WATCHED_IMPORTS = frozenset({"ctypes", "_ctypes", "gc", "inspect", "subprocess", "socket", "pty", "signal",
+                             "multiprocessing", "_posixsubprocess", "mmap", "resource", "fcntl"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def trusted_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(library roots: stdlib, site-packages, the distlab package; stdlib roots only)."""
+    import site
+    import sysconfig
+    paths = sysconfig.get_paths()
+    stdlib = os.path.realpath(paths["stdlib"]) + os.sep
+    pkg = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)) + os.sep
+    sites = {os.path.realpath(p) + os.sep for p in (paths["purelib"], paths["platlib"], *site.getsitepackages())}
+    return tuple(sorted({stdlib, pkg, *sites})), (stdlib, "<frozen ")
+
+
+def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: tuple[str, ...]) -> None:
+    """Open the event stream, send its key, add the hook. Call once per rank, before learner code.
+
+    `trusted_codes` maps each `distlab.*` event ('distlab.pg.op', 'distlab.pg.create',
+    'distlab.region', 'distlab.lookup', 'distlab.checkpoint', 'distlab.finish') to the code
+    object(s) allowed to raise it; `snapshot_modules` are the modules whose functions and
+    classes a checkpoint compares.
+    """
+    import _hashlib
+    import _thread
+
+    import torch
+    import torch.distributed as dist
+
+    from distlab.grading.pgmeter import OP_KINDS, booking
+
+    libs, stdlib = trusted_roots()
+    site_dirs = tuple(r for r in libs if r != stdlib[0])
+    fd = os.open(stream_path, os.O_WRONLY)
+    key = os.urandom(32)
+    os.write(fd, key)
+    head, digest, write, getframe = struct.Struct(">4sQI").pack, _hashlib.hmac_digest, os.write, sys._getframe
+    _type, _str, _int, _list, _tuple, _dict = type, str, int, list, tuple, dict
+    _len, _getattr, _id, _any, _callable, _typetype = len, getattr, id, any, callable, type
+    _bool, _float, _bytes, lock = bool, float, bytes, _thread.allocate_lock()
+    _hasattr, _zip = hasattr, zip
+    startswith, join = str.startswith, str.join
+    book = booking(torch._C.TensorBase.numel, torch._C.TensorBase.element_size, torch._C.TensorBase.dim,
+                   torch._C.TensorBase.size)
+    TensorBase, no_torch_fn, no_dispatch = torch._C.TensorBase, torch._C.DisableTorchFunction, \
+        torch._C._DisableTorchDispatch
+    mro_of, name_of = type.__dict__["__mro__"].__get__, type.__dict__["__name__"].__get__
+    c10d_types = frozenset(v for v in vars(torch._C._distributed_c10d).values() if isinstance(v, type))
+    Gloo = dist.ProcessGroupGloo
+    Nccl = getattr(dist, "ProcessGroupNCCL", None)
+    kinds = dict(OP_KINDS)
+    aliases = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+               "all_to_all_single": "alltoall_base", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+               "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
+    one_by_one = {"allgather_into_tensor_coalesced": "_allgather_base",
+                  "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
+    codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
+    modules = {name: sys.modules[name] for name in snapshot_modules if name in sys.modules}
+    seq, busy, learner_cache = [0], [False], {}
+    groups: dict[int, tuple] = {}
+    meters: dict[int, tuple] = {}
+    live: dict[int, Any] = {}      # track_comm meters open now: each op is added to them as it runs
+    from distlab.meters.comm import _CommMeter
+    from collections import defaultdict
+    counters, obj_get, dict_get, dict_set = (dict, defaultdict), object.__getattribute__, dict.get, dict.__setitem__
+    stats: dict[int, tuple] = {}
+    snap: dict[str, dict] = {}
+    region_count = [0]
+
+    def send(*fields: Any) -> None:
+        payload = join("\t", [f if _type(f) is _str else safe(f) for f in fields]).encode("utf-8", "replace")
+        with lock:   # one record at a time, numbered in order, even from several threads
+            n = seq[0]
+            seq[0] = n + 1
+            record = head(b"DLG1", n, _len(payload)) + payload + digest(
+                key, head(b"DLG1", n, _len(payload))[4:] + payload, "sha256")
+            try:
+                write(fd, record)
+            except OSError:
+                pass   # the runner sees the stream end early: that is the evidence
+
+    def safe(x: Any, depth: int = 0) -> str:
+        """A short text for an event argument, without calling any of the learner's methods."""
+        t = _type(x)
+        if t is _str:
+            return x[:200].replace("\t", " ").replace("\n", " ")
+        if t is _bytes:
+            return safe(x[:200].decode("utf-8", "replace"))
+        if t in (_int, _bool, _float) or x is None:
+            return _str(x) if t is not _float else "%g" % x
+        if t in (_tuple, _list) and depth < 2:
+            return "(" + join(", ", [safe(v, depth + 1) for v in x[:4]]) + ")"
+        return "<" + name_of(t) + ">"
+
+    def learner(code: Any) -> bool:
+        hit = learner_cache.get(code)
+        if hit is None:
+            name = code.co_filename
+            hit = not (startswith(name, libs) or startswith(name, "<frozen "))
+            learner_cache[code] = hit
+        return hit
+
+    def first_learner(f: Any) -> Any:
+        while f is not None:
+            if learner(f.f_code):
+                return f
+            f = f.f_back
+        return None
+
+    def initiator(f: Any) -> Any:
+        """The first frame above the event that is not the standard library: learner's or None."""
+        while f is not None and startswith(f.f_code.co_filename, stdlib) and not startswith(f.f_code.co_filename,
+                                                                                             site_dirs):
+            f = f.f_back
+        return f if f is not None and learner(f.f_code) else None
+
+    def where(f: Any) -> str:
+        return f.f_code.co_filename + " line " + _str(f.f_lineno)
+
+    def look() -> tuple[Any, bool, str, str]:
+        """(code that raised the event, whether it is the learner's, where learner code is on the stack,
+        where learner code caused it).
+
+        Reading frames raises audit events itself: `busy` makes the hook ignore those, and
+        nothing here can run learner code.
+        """
+        busy[0] = True
+        try:
+            f = getframe(2)
+            if f is None:
+                return None, False, "", ""
+            anywhere, cause = first_learner(f), initiator(f)
+            return f.f_code, learner(f.f_code), where(anywhere) if anywhere else "", where(cause) if cause else ""
+        finally:
+            busy[0] = False
+
+    def clean(x: Any, depth: int = 0) -> Any:
+        """The learner's call arguments, refusing anything whose conversion could run their code."""
+        t = _type(x)
+        if t in (_int, _bool, _float, _str) or x is None or t in c10d_types:
+            return x
+        if t in (_list, _tuple) and depth < 3:
+            return t([clean(v, depth + 1) for v in x])
+        if TensorBase in mro_of(t):
+            return x
+        raise TypeError("distlab grade: a process-group call got a " + name_of(t))
+
+    def forward(inner: Any, name: str, call: tuple) -> Any:
+        """`inner.name(*call)`; gloo has no tensor-coalesced gathers: those run pair by pair."""
+        if _hasattr(inner, name) or name not in one_by_one:
+            return _getattr(inner, name)(*call)
+        outputs, inputs, opts = call[0], call[1], call[2] if _len(call) > 2 else None
+        single = _getattr(inner, one_by_one[name])
+        works = [single(o, i, opts) if opts is not None else single(o, i) for o, i in _zip(outputs, inputs)]
+        if not works:
+            raise ValueError("distlab grade: a coalesced collective with no tensors")
+        for work in works[:-1]:
+            work.wait()
+        return works[-1]
+
+    def add_live(meter: Any, kind: str, nbytes: int) -> None:
+        """What `track_comm`'s dispatch mode would count (it sees nothing under a Python process group):
+        the meter's own dicts, updated with the builtin dict methods bound above."""
+        state = obj_get(meter, "__dict__")
+        if _type(state) is not _dict:
+            return
+        for field, amount in (("calls", 1), ("bytes", nbytes)):
+            d = dict_get(state, field)
+            if _type(d) in counters:
+                dict_set(d, kind, (dict_get(d, kind) or 0) + amount)
+
+    def take_snapshot() -> None:
+        for name, mod in modules.items():
+            d = _dict(mod.__dict__)
+            watched = {k: v for k, v in d.items() if _callable(v) or _type(v) is _type(sys)}
+            for v in _list(watched.values()):
+                if _type(v) is _typetype and v.__module__ == name:
+                    snap[name + "." + v.__qualname__ + ".__dict__"] = _dict(v.__dict__)
+            snap[name] = watched
+
+    def compare(place: str) -> None:
+        for name, before in snap.items():
+            if name.endswith(".__dict__"):
+                continue
+            now = modules[name].__dict__
+            for k, v in before.items():
+                if now.get(k, None) is not v:
+                    send("changed", name + "." + k, place)
+                if _type(v) is _typetype and v.__module__ == name:
+                    cls_before = snap.get(name + "." + v.__qualname__ + ".__dict__", {})
+                    for ck, cv in cls_before.items():
+                        if v.__dict__.get(ck, None) is not cv:
+                            send("changed", name + "." + v.__qualname__ + "." + ck, place)
+
+    def on_distlab(ev: str, args: tuple, code: Any, src: str) -> None:
+        if code is None or code not in codes.get(ev, ()) or (src and ev in (
+                "distlab.lookup", "distlab.checkpoint", "distlab.finish")):
+            send("ev", "forged " + ev, "a distlab audit event not raised by distlab", src)
+            raise RuntimeError("distlab grade: " + ev + " may only be raised by distlab")
+        if ev == "distlab.pg.op":
+            group, name, box, call = args
+            entry = groups.get(_id(group))
+            if entry is None or entry[0] is not group or _type(name) is not _str or name not in kinds \
+                    or _type(box) is not _list or _type(call) is not _tuple:
+                raise RuntimeError("distlab grade: a call on a process group the grader did not create")
+            call = clean(call)
+            with no_torch_fn():
+                kind, nbytes = book(name, call, entry[2], entry[3])
+            send("op", kind, nbytes, entry[4])
+            for meter in _list(live.values()):
+                add_live(meter, kind, nbytes)
+            # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
+            # backend's own temporaries
+            with no_dispatch():
+                box.append(forward(entry[1], aliases.get(name, name), call))
+        elif ev == "distlab.pg.create":
+            group, store, rank, size, timeout = args
+            inner = Nccl(store, rank, size) if group._backend_name.endswith("nccl") and Nccl else \
+                Gloo(store, rank, size, timeout)
+            gid = _len(groups)
+            groups[_id(group)] = (group, inner, size, rank, _str(gid))
+            send("pg", _str(gid), size, rank)
+        elif ev == "distlab.region":
+            edge, meter = args[0], args[1]
+            mine = src != ""
+            if edge == "begin":
+                k = region_count[0]
+                region_count[0] = k + 1
+                meters[_id(meter)] = (meter, k, mine)
+                if _type(meter) is _CommMeter:
+                    live[_id(meter)] = meter
+                send("region", "begin", k, _int(mine))
+            elif _id(meter) in meters:
+                _, k, was = meters[_id(meter)]
+                if edge == "end":
+                    live.pop(_id(meter), None)
+                    send("region", "end", k, _int(was or mine))
+                elif edge == "stats":
+                    stats[_id(args[2])] = (args[2], k, was or mine)
+        elif ev == "distlab.lookup":
+            objs, out = args
+            for obj in objs:
+                hit = stats.get(_id(obj))
+                out.append(-1 if hit is None or hit[0] is not obj else (-2 if hit[2] else hit[1]))
+        elif ev == "distlab.checkpoint":
+            if args[0] == "snapshot":
+                take_snapshot()
+            else:
+                compare(args[0])
+        elif ev == "distlab.finish":
+            send("finish", args[0])
+
+    def hook(ev: Any, args: Any) -> None:
+        if busy[0]:
+            return
+        if _type(ev) is not _str or _type(args) is not _tuple:
+            send("ev", "odd audit event", "an event whose name is not a plain str", "")
+            return
+        distlab_event = startswith(ev, "distlab.")
+        if not distlab_event and ev not in WATCH and not startswith(ev, PREFIXES):
+            return
+        code, direct, anywhere, cause = look()
+        if distlab_event:
+            on_distlab(ev, args, code, anywhere)
+            return
+        if ev == "open":
+            if not anywhere:
+                return
+            path, mode, flags = (args + (None, None, 0))[:3]
+            writes = (_type(mode) is _str and _any([c in mode for c in "wax+"])) or (
+                _type(flags) is _int and flags & _WRITE_FLAGS)
+            if _type(path) is _str and not writes and startswith(path, libs) and "/.." not in path:
+                return
+            send("ev", "open", safe(path) + (" for writing" if writes else ""), anywhere)
+            return
+        if not cause:
+            return
+        if ev in ("os.listdir", "os.scandir") and args and _type(args[0]) is _str and startswith(
+                args[0], libs) and "/.." not in args[0]:
+            return    # the import system lists library folders
+        if ev == "import" and not (args and _type(args[0]) is _str and args[0].split(".")[0] in WATCHED_IMPORTS):
+            return
+        if ev == "object.__getattr__" and not (_len(args) > 1 and args[1] in FRAME_ATTRS):
+            return
+        if ev in ("compile", "exec"):   # imports compile and run library files: only direct calls count
+            name = args[1] if ev == "compile" and _len(args) > 1 else _getattr(args[0], "co_filename", "")
+            if not (direct and _type(name) is _str and startswith(name, libs)):
+                return
+            send("ev", ev, "code under a library file name: " + safe(name), cause)
+            return
+        detail = safe(args[1]) if startswith(ev, "object.") and _len(args) > 1 else safe(args[:2])
+        send("ev", ev, detail, cause)
+
+    # The frames below this call (the forkserver's `python -c` "<string>", the launcher's worker)
+    # ran before any learner code: whatever their file name, they are not the learner's.
+    f = getframe(1)
+    while f is not None:
+        learner_cache[f.f_code] = False
+        f = f.f_back
+    sys.addaudithook(hook)

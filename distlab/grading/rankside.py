@@ -1,0 +1,177 @@
+"""What a graded rank runs: the audit hook and the metered group first, then the learner's cells.
+
+The sandbox runner launches `run_case(...)` on every rank of one case with
+`distlab.launch`. In order, before any learner code:
+
+1. `audithook.install`: the rank's event stream and its key, the hook;
+2. the default process group is re-created as a `MeteredGroup`
+   (`distlab.grading.pgmeter`), so every collective is run and booked by the hook;
+3. `track_comm` blocks announce themselves to the hook (regions).
+
+Then the learner's answer cells run after the lab's PRELUDE in a fresh
+namespace (as in the notebook, with nothing else from it), the task's
+`exercise` runs with the learner's objects, and the outputs go back as
+pickled bytes. Every `CommStats` in them is replaced by a reference to the
+hook's record of that region (`{"__distlab_region__": k}`; -1 when the hook
+never saw it measured, -2 when learner code opened it), so the grader judges
+traffic from what the hook booked, never from what the rank reports.
+"""
+from __future__ import annotations
+
+import builtins
+import hashlib
+import os
+import pickle
+import sys
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch.distributed as dist
+
+from distlab.grading import audithook, pgmeter
+
+REGION_KEY = "__distlab_region__"
+# What a check's rank-side half relies on: rebinding a function or class attribute here is evidence. (Other
+# modules are left alone: torch itself rewraps e.g. every optimizer class's `step` on first use, and a
+# learner who breaks them only breaks their own outputs, which are judged in the grader.)
+WATCHED_PREFIXES = ("distlab.checks", "distlab.meters", "distlab.grading")
+WATCHED = ("distlab.runtime", "distlab.launch", "distlab.collectives", "torch.distributed",
+           "torch.distributed.distributed_c10d")
+
+
+class GradingError(RuntimeError):
+    """The learner's notebook cannot provide what a check needs (e.g. a missing function)."""
+
+
+def _region_methods() -> dict[str, Any]:
+    """Wrap `_CommMeter.__enter__/__exit__/stats` so the hook sees each `track_comm` block."""
+    from distlab.meters.comm import _CommMeter
+    audit = sys.audit
+    enter, exit_, stats = _CommMeter.__enter__, _CommMeter.__exit__, _CommMeter.stats
+
+    def __enter__(self: Any) -> Any:
+        audit("distlab.region", "begin", self)
+        return enter(self)
+
+    def __exit__(self: Any, *exc: Any) -> Any:
+        audit("distlab.region", "end", self)
+        return exit_(self, *exc)
+
+    def stats_(self: Any) -> Any:
+        snapshot = stats(self)
+        audit("distlab.region", "stats", self, snapshot)
+        return snapshot
+
+    def _add(self: Any, kind: str, sent: int) -> None:
+        """The dispatch mode counts nothing here: the audit hook adds each op of the metered group to the
+        open meters (the mode would count DTensor's functional collectives a second time)."""
+
+    for name, fn in (("__enter__", __enter__), ("__exit__", __exit__), ("stats", stats_), ("_add", _add)):
+        setattr(_CommMeter, name, fn)
+    return {"__enter__": __enter__, "__exit__": __exit__, "stats": stats_}
+
+
+def _metered_group(timeout_s: float) -> None:
+    """Re-create the default group (set up by `distlab.launch`) as a MeteredGroup on the same ranks."""
+    kind = "nccl" if dist.get_backend() == "nccl" else "gloo"
+    name = f"metered_{kind}"
+    if name.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(name, partial(pgmeter.create, backend_name=name), extended_api=True,
+                                      devices=["cuda", "cpu"] if kind == "nccl" else ["cpu"])
+    rank, size = dist.get_rank(), dist.get_world_size()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore("distlab-grade/", store)
+    # Every rank has finished joining the launcher's group before any rank tears it down: a rank that closes
+    # its connections while a slower peer is still connecting fails that peer ("Connection closed by peer",
+    # seen on a loaded machine).
+    prefixed.set(f"joined{rank}", "1")
+    prefixed.wait([f"joined{r}" for r in range(size)], timedelta(seconds=timeout_s))
+    dist.destroy_process_group()
+    dist.init_process_group(name, store=prefixed, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+
+
+def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -> tuple[dict, list[str]]:
+    """PRELUDE + the learner's cells in a fresh namespace; (namespace, one line per cell that raised)."""
+    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    exec(compile(prelude, prelude_name, "exec"), ns)  # noqa: S102 - the lab's own imports
+    errors = []
+    for cell_id, source in cells:
+        try:
+            exec(compile(source, f"<answer cell {cell_id}>", "exec"), ns)  # noqa: S102 - the learner's cell
+        except BaseException as exc:  # noqa: BLE001 - reported when a name the check needs is missing
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            errors.append(f"{type(exc).__name__}: {first}"[:160])
+    return ns, errors
+
+
+def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, str]], names: list[str],
+             stream_paths: list[str], timeout_s: float) -> bytes:
+    """On every rank: one case of one task with the learner's cells; returns the pickled outputs."""
+    from distlab.checks import lab_module
+    from distlab.meters.comm import CommStats, _CommMeter  # noqa: F401 - imported before learner code
+
+    from torch import Tensor
+    audit, dumps, sha256, _type, _dict, _list, _tuple = (sys.audit, pickle.dumps, hashlib.sha256, type, dict,
+                                                         list, tuple)
+
+    def collect(x: Any, found: list, depth: int = 0) -> None:
+        t = _type(x)
+        if t is CommStats:
+            found.append(x)
+        elif depth < 20 and t is _dict:
+            for v in x.values():
+                collect(v, found, depth + 1)
+        elif depth < 20 and (t is _list or t is _tuple):
+            for v in x:
+                collect(v, found, depth + 1)
+
+    def swap(x: Any, refs: dict, depth: int = 0) -> Any:
+        t = _type(x)
+        if t is CommStats:
+            return {REGION_KEY: refs.get(id(x), -1)}
+        if t is Tensor:      # a plain CPU copy: no CUDA storage, no attributes a meter or audit attached
+            copy = x.detach().cpu().clone()
+            copy.__dict__.clear()
+            return copy
+        if depth < 20 and t is _dict:
+            return {k: swap(v, refs, depth + 1) for k, v in x.items()}
+        if depth < 20 and (t is _list or t is _tuple):
+            return t(swap(v, refs, depth + 1) for v in x)
+        return x
+
+    def finish(outputs: Any) -> bytes:
+        found: list = []
+        collect(outputs, found)
+        regions: list = []
+        audit("distlab.lookup", found, regions)
+        data = dumps(swap(outputs, {id(s): k for s, k in zip(found, regions)}), protocol=4)
+        audit("distlab.finish", sha256(data).hexdigest())
+        return data
+
+    module = lab_module(lab)      # imported before the hook's snapshot, so its classes are watched too
+    task = module.TASKS[task_name]
+    case = task.cases()[case_index]
+    region = _region_methods()
+    audithook.install(stream_paths[dist.get_rank()], {
+        "distlab.pg.op": pgmeter.MeteredGroup._op.__code__,
+        "distlab.pg.create": pgmeter.create.__code__,
+        "distlab.region": [fn.__code__ for fn in region.values()],
+        "distlab.lookup": finish.__code__,
+        "distlab.finish": finish.__code__,
+        "distlab.checkpoint": run_case.__code__,
+    }, snapshot_modules=tuple(sorted(m for m in sys.modules if m.startswith(WATCHED_PREFIXES) or m in WATCHED)))
+    _metered_group(timeout_s)
+    audit("distlab.checkpoint", "snapshot")
+    ns, errors = _exec_cells(module.PRELUDE, f"{module.__file__}#PRELUDE", cells)
+    audit("distlab.checkpoint", "after your answer cells ran")
+    answers = []
+    for name in names:
+        if name not in ns:
+            why = f" (your answer cells raised {'; '.join(errors)})" if errors else ""
+            raise GradingError(f"your notebook does not define {name}{why}")
+        answers.append(ns[name])
+    outputs = task.exercise(case, *answers)
+    audit("distlab.checkpoint", "while the check ran")
+    return finish(outputs)

@@ -1,0 +1,247 @@
+"""The trusted runner: one per submission, inside its sandbox, runs every graded case.
+
+    python -m distlab.grading.runner --result-fd W --secret-fd S  < job.json
+
+The grader starts it (in bubblewrap unless --no-sandbox) with two pipes: it
+reads a 32-byte secret from S and closes S before any rank exists, and writes
+sealed records (`distlab.grading.channel`) to W, which no rank inherits. It
+makes itself non-dumpable first, so processes of the same user (the ranks)
+cannot read its memory or file descriptors through /proc or ptrace.
+
+For each task the lab grades, for each of its cases graded, it launches
+`rankside.run_case` on the case's ranks with `distlab.launch` (one
+forkserver for the whole submission; hangs end by the launcher's progress
+detection) and sends one record per case: the ranks' raw pickled outputs
+(never unpickled here beyond the launcher's safe reader), each rank's raw
+event stream with its key, or why the case failed. After a hang (or a case
+that ran past its cap), a task's later cases are not run. Then a `done` record, and exit 0: the grader treats
+anything else as a failed submission.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import selectors
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from distlab import procs
+from distlab.grading.channel import Writer
+
+_STARTED = time.monotonic()
+MAX_STREAM = 8 << 20     # bytes of audit events kept per rank and case
+
+
+def _fork_server(close: tuple[int, ...]) -> None:
+    """Start multiprocessing's fork server as a fork of this process, before any secret is read.
+
+    `distlab.launch` starts ranks from a fork server that imported torch once.
+    The usual one is a fresh interpreter importing everything again (~7 s of
+    CPU here); this process has already imported it all, so the server is
+    forked from it instead. It happens before the secret is read, and the
+    child closes the result and secret descriptors (`close`) first: ranks,
+    forked from that child, inherit neither.
+    """
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server = forkserver._forkserver
+    resource_tracker.ensure_running()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(alive_w)
+            for fd in close:
+                os.close(fd)
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit:
+            pass
+        except BaseException:  # noqa: BLE001 - the server's end; the launches report it
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _no_dump() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): /proc/<this>/mem, fd, environ and ptrace closed to the ranks."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Streams:
+    """Reads every rank's event FIFO while the case runs (a FIFO cannot be rewritten once read)."""
+
+    def __init__(self, folder: str, world_size: int) -> None:
+        self.paths = [os.path.join(folder, f"events{r}") for r in range(world_size)]
+        self.data = [bytearray() for _ in self.paths]
+        self.flooded = [False] * world_size
+        self.fds = []
+        for p in self.paths:
+            os.mkfifo(p, 0o600)
+            self.fds.append(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        sel = selectors.DefaultSelector()
+        for r, fd in enumerate(self.fds):
+            sel.register(fd, selectors.EVENT_READ, r)
+        while not self._stop.is_set():
+            for key, _ in sel.select(timeout=0.05):
+                self._drain(key.data)
+
+    def _drain(self, r: int) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fds[r], 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            if len(self.data[r]) + len(chunk) > MAX_STREAM:
+                self.flooded[r] = True
+                return
+            self.data[r] += chunk
+
+    def close(self) -> list[bytes]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for r in range(len(self.fds)):
+            self._drain(r)
+            os.close(self.fds[r])
+        return [bytes(d) for d in self.data]
+
+
+def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
+    """One launch of one case; a record for the grader (JSON-able, blobs in base64)."""
+    from distlab.checks.verdict import reason
+    from distlab.grading.rankside import run_case as on_rank
+    from distlab.grading.safeload import safe_loads
+    from distlab.launch import LaunchStalled, LaunchTimeout, launch
+    streams = _Streams(folder, case.world_size)
+    record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
+    try:
+        outputs = launch(on_rank, case.world_size, job["lab"], task.name, index, job["cells"], job["names"][task.name],
+                         streams.paths, job["cap_s"], backend=job["backend"], stall=job["stall_s"],
+                         timeout=job["cap_s"], loads=safe_loads)
+        if not all(isinstance(o, bytes) for o in outputs):
+            raise TypeError("a rank returned something other than its pickled outputs")
+        record.update(status="ok", outputs=[base64.b64encode(o).decode() for o in outputs])
+    except Exception as exc:  # noqa: BLE001 - every failure is a line of the report
+        stuck = "hung" if isinstance(exc, LaunchStalled) else "ran past the cap" if isinstance(exc, LaunchTimeout) \
+            else ""
+        record.update(status="error", reason=reason(exc, task.hang_hint), stuck=stuck)
+    record["streams"] = [base64.b64encode(s).decode() for s in streams.close()]
+    record["flooded"] = streams.flooded
+    return record
+
+
+class _Capped:
+    """stdout/stderr of the runner (its log): ranks' output is replayed here, so keep only the first MiB."""
+
+    def __init__(self, stream: Any, limit: int = 1 << 20) -> None:
+        self.stream, self.left = stream, limit
+
+    def write(self, text: str) -> int:
+        if self.left > 0:
+            piece = text[: self.left]
+            self.left -= len(piece)
+            try:
+                self.stream.write(piece if self.left > 0 else piece + "\n[... log truncated]\n")
+            except OSError:
+                self.left = 0
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m distlab.grading.runner")
+    ap.add_argument("--result-fd", type=int, required=True)
+    ap.add_argument("--secret-fd", type=int, required=True)
+    args = ap.parse_args(argv)
+    from distlab.checks import lab_module
+    from distlab.launch import _PRELOAD
+    for name in (*_PRELOAD, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
+        __import__(name)
+    job = json.load(sys.stdin)
+    module = lab_module(job["lab"])        # imported here, the ranks (forked from the fork server) have it too
+    _fork_server((args.result_fd, args.secret_fd, 0))
+    _no_dump()
+    sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)
+    procs.become_subreaper()   # without a sandbox, a rank's orphans come back here to be stopped
+    with os.fdopen(args.secret_fd, "rb") as f:
+        secret = f.read(64)
+    os.set_inheritable(args.result_fd, False)
+    print(f"distlab grade: runner up in {time.monotonic() - _STARTED:.1f} s", file=sys.stderr, flush=True)
+    writer = Writer(args.result_fd, secret)
+    del secret
+    work = tempfile.mkdtemp(prefix="distlab-runner-")
+    for name, indices in job["tasks"]:
+        task = module.TASKS[name]
+        hung = ""
+        cases = task.cases()
+        for index in indices:
+            case = cases[index]
+            if hung:
+                rec = {"kind": "case", "task": name, "case": index, "world_size": case.world_size,
+                       "status": "error", "reason": f"not run: {hung}", "streams": [], "flooded": []}
+            else:
+                folder = os.path.join(work, f"{name}-{index}")
+                os.mkdir(folder)
+                started = time.monotonic()
+                rec = run_case(job, task, index, case, folder)
+                print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
+                      f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+                if rec.get("stuck"):   # each later case would wait just as long
+                    hung = f"an earlier case ({case.world_size} ranks) {rec['stuck']}"
+            writer.send(json.dumps(rec).encode())
+    procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
+    shutil.rmtree(work, ignore_errors=True)
+    import resource
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu_s = sum(u.ru_utime + u.ru_stime for u in usage)    # the ranks, reaped by the fork server, included
+    writer.send(json.dumps({"kind": "done", "cpu_s": round(cpu_s, 2)}).encode())
+    return 0
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown (torch's atexit work, module finalisation: seconds of a busy
+    machine per submission, after everything was sent and every child stopped)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit_now(main())

@@ -1,0 +1,244 @@
+"""Running one submission's runner in a bubblewrap sandbox, and reading what it sends back.
+
+`run(job, ...)` starts `python -I -m distlab.grading.runner` (see there) and
+returns the verified records it sent, or a one-line reason. By default on
+Linux the runner runs inside `bwrap` (`argv()`):
+
+- its own PID, IPC, UTS and network namespaces: the grader's processes are
+  invisible, only loopback exists (enough for gloo);
+- an unprivileged uid (65534) in its own user namespace, no capabilities;
+- a filesystem that holds only the system directories, the Python
+  environment and the `distlab` package, all read-only: no `solutions/`, no
+  `labs/`, no grader files, no other submission; a private `/tmp`;
+- GPU device nodes bound through when present (NCCL stays usable);
+- when the runner exits, the namespace's init exits and the kernel kills
+  every process left inside it: a learner's daemon or fork bomb included.
+
+Without the sandbox (`--no-sandbox`, or bwrap missing) the runner still
+judges nothing itself and still authenticates its records, but learner code
+can read whatever the instructor's account can and reach the network.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from distlab import procs
+from distlab.grading.channel import new_key, read_records
+
+MAX_FILE_BYTES = 64 << 20           # RLIMIT_FSIZE for everything in the sandbox (ranks' output floods)
+MAX_RESULT_BYTES = 1 << 30          # all records of one submission
+TMP_BYTES = 2 << 30                 # the sandbox's private /tmp and /dev/shm
+TOKEN_VAR = "DISTLAB_GRADE_TOKEN"   # marks processes to stop when running without a sandbox
+# Passed into the sandbox: every DISTLAB_* setting (a task's cases may depend on one, and the grader computed
+# the references with the same ones), and these.
+_ENV_KEEP = ("CUDA_VISIBLE_DEVICES", "LANG", "OMP_NUM_THREADS")
+
+
+def bwrap_path() -> str | None:
+    """The bwrap executable, when this is Linux and it is installed."""
+    return shutil.which("bwrap") if sys.platform.startswith("linux") else None
+
+
+def _read_only_roots() -> list[str]:
+    """The Python environment and the distlab package (where its source lives, editable or not)."""
+    import distlab
+    paths = sysconfig.get_paths()
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, paths["stdlib"], paths["purelib"],
+                                           paths["platlib"])}
+    roots.add(os.path.realpath(os.path.dirname(distlab.__file__)))
+    roots.add(os.path.realpath(os.path.dirname(sys.executable)))
+    # nothing under /usr needs its own bind; keep only the outermost of nested roots
+    out = sorted(r for r in roots if not r.startswith("/usr/"))
+    return [r for r in out if not any(r != o and r.startswith(o + os.sep) for o in out)]
+
+
+def argv(user_ns: bool = True) -> list[str]:
+    """The bwrap command line that wraps the runner (see the module docstring)."""
+    cmd = [bwrap_path() or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+           "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    if user_ns:
+        cmd += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc"):
+        if os.path.islink(top):
+            cmd += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            cmd += ["--ro-bind", top, top]
+    for root in _read_only_roots():
+        cmd += ["--ro-bind", root, root]
+    cmd += ["--dev", "/dev", "--proc", "/proc", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+            "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm"]
+    gpus = sorted(glob.glob("/dev/nvidia*"))
+    for node in gpus:
+        cmd += ["--dev-bind", node, node]
+    if gpus:
+        cmd += ["--ro-bind-try", "/sys", "/sys", "--ro-bind-try", "/run/nvidia-persistenced",
+                "/run/nvidia-persistenced"]
+    cmd += ["--chdir", "/tmp", "--clearenv"]
+    for key, value in _env("/tmp").items():
+        cmd += ["--setenv", key, value]
+    return cmd
+
+
+def _env(home: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or (k.startswith("DISTLAB_") and k != TOKEN_VAR
+                                                                      and k != "DISTLAB_RESULTS")}
+    env.update(HOME=home, TMPDIR=home, PATH="/usr/local/bin:/usr/bin:/bin", MPLBACKEND="Agg",
+               TORCH_CPP_LOG_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=home)
+    return env
+
+
+def works(user_ns: bool = True) -> bool:
+    """Whether bwrap can start a sandbox here (user namespaces may be disabled)."""
+    try:
+        return subprocess.run(argv(user_ns) + ["--", sys.executable, "-I", "-c", "pass"], capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _limits() -> None:
+    """In the child, before exec: cap every file a sandboxed process writes; no core dumps."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+@dataclass
+class Outcome:
+    """What the runner sent (verified records, in order) and, if it failed, why (one line)."""
+
+    records: list[dict] = field(default_factory=list)
+    failure: str = ""
+    seconds: float = 0.0
+    cpu_s: float = 0.0          # CPU seconds of the runner, its fork server and every rank (when it finished)
+
+
+def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
+        on_record: Callable[[dict], None] | None = None) -> Outcome:
+    """Run the runner on `job` (inside `sandbox`, a bwrap argv, or directly when None)."""
+    start = time.monotonic()
+    secret = new_key()
+    res_r, res_w = os.pipe()
+    sec_r, sec_w = os.pipe()
+    cmd = [sys.executable, "-I", "-B", "-m", "distlab.grading.runner", "--result-fd", str(res_w),
+           "--secret-fd", str(sec_r)]
+    workdir = None
+    if sandbox is not None:
+        cmd, cwd, env = sandbox + ["--"] + cmd, "/", None
+    else:
+        workdir = tempfile.mkdtemp(prefix="distlab-grade-")
+        cwd, env = workdir, _env(workdir) | {TOKEN_VAR: uuid.uuid4().hex}
+    received = bytearray()
+    out = Outcome()
+    with open(log, "wb") as logf:
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT, cwd=cwd,
+                                    env=env, pass_fds=(res_w, sec_r), start_new_session=True, preexec_fn=_limits)
+        finally:
+            os.close(res_w)
+            os.close(sec_r)
+        os.write(sec_w, secret)
+        os.close(sec_w)
+        reader = threading.Thread(target=_pump, args=(res_r, received, secret, on_record), daemon=True)
+        reader.start()
+        feeder = threading.Thread(target=_feed, args=(proc, json.dumps(job).encode()), daemon=True)
+        feeder.start()      # a thread: the runner reads its job only after importing torch
+        try:
+            code = proc.wait(timeout=cap_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            out.failure = (f"stopped after {cap_s:g} s (the last-resort cap on one submission): "
+                           "its ranks kept working without finishing")
+        finally:
+            _stop(proc, env.get(TOKEN_VAR) if env else None)
+            reader.join(timeout=30)
+            os.close(res_r)
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+    stream = read_records(bytes(received), secret)
+    out.records = [json.loads(r) for r in stream.records]
+    done = bool(out.records) and out.records[-1].get("kind") == "done"
+    if done and isinstance(out.records[-1].get("cpu_s"), (int, float)):
+        out.cpu_s = float(out.records[-1]["cpu_s"])
+    if not out.failure and (code != 0 or not done):
+        out.failure = f"the grading runner {_exit_words(code)} before it finished: a rank may have killed it"
+    if stream.problem and not out.failure:
+        out.failure = f"the results did not verify ({stream.problem}): not graded"
+    out.seconds = time.monotonic() - start
+    return out
+
+
+def _feed(proc: subprocess.Popen, data: bytes) -> None:
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except OSError:
+        pass    # the runner died before reading its job: its exit code says why
+
+
+def _exit_words(code: int | None) -> str:
+    """'was killed by SIGKILL' for -9 (a direct child) or 137 (bwrap reports its child's signal so)."""
+    sig = -code if code is not None and code < 0 else code - 128 if code is not None and 128 < code < 160 else 0
+    try:
+        return f"was killed by {signal.Signals(sig).name}" if sig else f"exited with code {code}"
+    except ValueError:
+        return f"exited with code {code}"
+
+
+def _pump(fd: int, into: bytearray, secret: bytes, on_record: Callable[[dict], None] | None) -> None:
+    """Collect the runner's bytes (capped); hand each verified record to `on_record` as it arrives."""
+    seen = 0
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except OSError:
+            return
+        if not chunk or len(into) + len(chunk) > MAX_RESULT_BYTES:
+            return
+        into += chunk
+        if on_record is not None:
+            records = read_records(bytes(into), secret).records
+            for rec in records[seen:]:
+                try:
+                    on_record(json.loads(rec))
+                except Exception:  # noqa: BLE001 - progress printing must not stop grading
+                    pass
+            seen = len(records)
+
+
+def _stop(proc: subprocess.Popen, token: str | None) -> None:
+    """Nothing of this submission keeps running: its tree, its session, anything carrying its token."""
+    procs.kill_tree([proc.pid])
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    if token:
+        procs.kill_until_gone(lambda: _tagged(token))
+
+
+def _tagged(token: str) -> list:
+    import psutil
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(TOKEN_VAR) == token:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            pass
+    return out

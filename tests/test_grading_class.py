@@ -1,0 +1,284 @@
+"""`distlab grade` end to end, sandboxed: the chapter-1 class, one attack per route of issue 11, the
+sandbox's walls, broken files, and every lab (its solution: full marks; its unfilled lab: zero).
+
+Everything is graded once per test session (`graded`), two runs at a time so both cores stay busy:
+
+- the chapter-1 class on its reduce-scatter task (3 cases: 2, 3 and 4 ranks, 6 points), two submissions
+  at a time, reports written, as an instructor would;
+- the attacks (one per route) and the broken files on its 2-rank case, as a second class run;
+- each lab's solution and its unfilled lab on every task's first case (later cases only change the world
+  size: the class run covers what several cases add, such as a hang skipping a task's later cases).
+
+The tests then read those results. `leftover`: the processes a class run left behind (the rule of
+conftest's `no_orphans`, applied after the whole session's grading).
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import resource
+import socket
+import threading
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from distlab.checks import LABS
+from distlab.grading import sandbox
+from distlab.grading.cli import sandbox_for
+from distlab.grading.classrun import grade
+from distlab.grading.grade import Options, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("make_class", ROOT / "tests/fixtures/grading/make_class.py")
+mk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mk)
+
+# A class run is minutes of CPU on a busy machine; slow is not failed (the grader has its own hang detection).
+pytestmark = pytest.mark.timeout(1800)
+
+# The attacks write into every file descriptor they can reach and kill processes: only ever sandboxed.
+BWRAP = sandbox.bwrap_path() is not None and (sandbox.works(True) or sandbox.works(False))
+needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bubblewrap is not usable here (the attacks run only sandboxed)")
+
+
+def _by_stem(results):
+    return {Path(r.submission).stem: r for r in results}
+
+
+def _descendants() -> dict[int, str]:
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if "forkserver" not in cmd and "resource_tracker" not in cmd:   # conftest's helpers rule
+                out[p.pid] = f"{p.pid} {p.name()} {cmd[:120]}"
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(scope="session")
+def graded(tmp_path_factory):
+    start = time.monotonic()
+    folder = tmp_path_factory.mktemp("grading")
+    # the sandbox when bwrap works here; else None: the class and the labs are graded without one (the attacks
+    # are not run), as `--no-sandbox` would (tests/test_grading.py checks what the grader then says)
+    box = sandbox_for(False, lambda text: None) if BWRAP else None
+    opts = Options(sandbox=box)
+    before = set(_descendants())
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    references = threading.Lock()     # references are computed here, one lab at a time (some launch ranks)
+
+    def lab(name, only=None, first_case=False):
+        with references:
+            return prepare(name, only, first_case=first_case)
+
+    def class_run():
+        mk.write(mk.ch1_class(), folder / "class")
+        return grade(lab("01_collectives", ["reduce_scatter"]), [folder / "class"], out=folder / "class_grades",
+                     jobs=2, opts=opts)
+
+    def attack_run():
+        mk.write({**mk.attacks(os.getpid(), listener.getsockname()[1]), **mk.malformed()}, folder / "attacks")
+        return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "attacks"],
+                     out=folder / "attack_grades", jobs=2, opts=opts)
+
+    def lab_run(name, which):
+        paths = mk.write({which: mk.solution_and_unfilled(name)[which]}, folder / "labs" / name)
+        return grade(lab(name, first_case=True), [paths[which]], jobs=1, opts=opts)[0]
+
+    # longest first; the class runs grade two submissions at a time themselves
+    work = [("class", class_run)] + ([("attacks", attack_run)] if BWRAP else [])
+    work += [((name, which), lambda name=name, which=which: lab_run(name, which))
+             for which in ("correct", "not_started") for name in LABS]
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {key: pool.submit(fn) for key, fn in work}
+        done = {key: f.result() for key, f in futures.items()}
+    finally:
+        listener.close()
+    leftover = [what for pid, what in _descendants().items() if pid not in before]
+    results = [r for key, got in done.items() for r in (got if isinstance(got, list) else [got])]
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    print(f"\ngraded {len(results)} submissions in {time.monotonic() - start:.0f} s: "
+          f"{sum(r.cpu_s for r in results):.0f} CPU s in their sandboxes, "
+          f"{sum(u.ru_utime + u.ru_stime for u in usage):.0f} CPU s in this process and the children it reaped")
+    for key, got in done.items():
+        got = got if isinstance(got, list) else [got]
+        print(f"  {key}: {len(got)} submissions, {sum(r.cpu_s for r in got):.1f} CPU s, "
+              f"longest {max(r.seconds for r in got):.0f} s")
+    return SimpleNamespace(
+        cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])), folder=folder,
+        labs={name: {which: done[name, which] for which in ("correct", "not_started")} for name in LABS},
+        leftover=leftover)
+
+
+# ---------------------------------------------------------------- the chapter-1 class
+
+def test_chapter1_class_scores(graded):
+    got = graded.cls
+    scores = {name: got[name].score for name in mk.ch1_class()}
+    assert scores == {"correct": 6, "not_started": 0, "wrong": 0, "partial": 3, "crashing": 0, "hanging": 0,
+                      "tampered_check": 0, "deleted_check": 3, "rank_side_patch": 0, "invalid_json": 0}
+    reasons = {name: [v.reason for v in got[name].verdicts] for name in scores}
+    assert reasons["partial"][1::2] == ["rank 0 called all_reduce: use only send/recv (isend/irecv)"] * 3
+    assert all(r.startswith("not implemented yet") for r in reasons["not_started"]), reasons["not_started"]
+    assert any("ZeroDivisionError" in r for r in reasons["crashing"])
+    assert reasons["hanging"][0].startswith("hung: rank(s)") and "a receive has no matching send" in reasons["hanging"][0]
+    assert reasons["hanging"][2:] == ["not run: an earlier case (2 ranks) hung"] * 4
+    assert all("rebound torch.distributed.all_reduce" in f for f in got["rank_side_patch"].flags), \
+        got["rank_side_patch"].flags
+    assert all(r.startswith("not a notebook: invalid JSON") for r in reasons["invalid_json"])
+    # check cells are never read: these hand in the same answer cells as `wrong` and `partial`, graded once
+    assert got["wrong"].note == "same answer cells as class/tampered_check.ipynb (graded once)"
+    assert got["partial"].note == "same answer cells as class/deleted_check.ipynb (graded once)"
+    assert not got["correct"].flags and not got["partial"].flags and not got["not_started"].flags
+
+
+def test_the_class_run_writes_its_reports(graded):
+    out = graded.folder / "class_grades"
+    rows = list(csv.DictReader(open(out / "grades.csv")))
+    totals = {Path(r["submission"]).stem: float(r["points"]) for r in rows if r["check"] == "TOTAL"}
+    assert totals == {name: graded.cls[name].score for name in mk.ch1_class()}
+    assert len(rows) == len(totals) * 7        # six lines and a total per submission
+    assert {ts.get("name") for ts in ET.parse(out / "junit.xml").getroot().findall("testsuite")} == {
+        f"class/{name}.ipynb" for name in mk.ch1_class()}
+
+
+def test_no_process_is_left_after_the_class_runs(graded):
+    assert graded.leftover == [], f"processes left running after grading: {graded.leftover}"
+    leftover = [p.pid for p in psutil.process_iter() if _cmdline_has(p, mk.MARKER)]
+    assert not leftover, "a learner's daemon outlived its sandbox"
+
+
+def _cmdline_has(p, marker: str) -> bool:
+    try:
+        return marker in " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+# ---------------------------------------------------------------- one attack per route of issue 11
+
+@needs_bwrap
+def test_route1_changing_the_comparison_or_the_reference_changes_nothing(graded):
+    r = graded.attacks["route1_patch_comparison"]
+    assert r.score == 0
+    assert all(v.judged.startswith("FAIL") for v in r.verdicts[0::2])     # judged here: the values are wrong
+    assert any("object.__setattr__ __code__" in f for f in r.flags)
+    assert any("rebound torch.distributed.all_reduce" in f for f in r.flags)
+
+
+@needs_bwrap
+def test_route2_a_switched_off_meter_hides_no_traffic(graded):
+    r = graded.attacks["route2_meter_off_decoys"]
+    assert r.score == 1                                                     # the values are right (the library's)
+    assert [v.reason for v in r.verdicts] == ["", "rank 0 called all_reduce: use only send/recv (isend/irecv)"]
+
+
+@needs_bwrap
+def test_route3_printing_through_proc_reaches_no_verdict(graded):
+    r = graded.attacks["route3_print_through_proc"]
+    assert r.score == 0 and all(v.reason.startswith("audit: ") for v in r.verdicts)
+    assert any("open /proc/<pid>/fd/1 for writing" in f for f in r.flags), r.flags
+
+
+@needs_bwrap
+def test_route4_forging_results_and_killing_the_worker_scores_zero(graded):
+    r = graded.attacks["route4_forge_and_kill_worker"]
+    assert r.score == 0
+    assert r.note == ("the grading runner was killed by SIGKILL before it finished: a rank may have killed it")
+
+
+@needs_bwrap
+def test_route5_a_result_that_runs_code_is_refused(graded):
+    r = graded.attacks["route5_malformed_result"]
+    assert r.score == 0
+    assert all("the ranks returned a builtins.print, which the grader does not unpickle" in v.judged
+               for v in r.verdicts)
+    assert any("rebound distlab.checks.ch01.RingTask.exercise" in f for f in r.flags), r.flags
+
+
+@needs_bwrap
+def test_route6_the_solutions_are_not_in_the_sandbox(graded):
+    r = graded.attacks["route6_exec_solutions"]
+    assert r.score == 0
+    assert all("the solutions were not there (FileNotFoundError)" in v.judged for v in r.verdicts)
+    assert any("open " in f and "solutions/01_collectives.ipynb" in f for f in r.flags), r.flags
+
+
+@needs_bwrap
+def test_a_rank_cannot_see_the_grader_read_solutions_or_reach_the_network(graded):
+    r = graded.attacks["route6_exec_solutions"]
+    probe = json.loads(r.verdicts[0].judged.split("PROBE ", 1)[1])
+    assert probe["grader"] is False and probe["npids"] < 20, probe     # its own PID namespace
+    assert probe["solutions"] is False and probe["labs"] is False, probe
+    assert probe["net"] == "ConnectionRefusedError", probe              # the grader's listener is not there
+    assert any("socket.connect" in f for f in r.flags) and any("subprocess.Popen" in f for f in r.flags)
+
+
+@needs_bwrap
+def test_route7_built_names_do_not_hide_from_the_audit(graded):
+    r = graded.attacks["route7_built_names"]
+    assert r.score == 0 and all(v.reason.startswith("audit: ") for v in r.verdicts)
+    assert any("gc.get_objects" in f for f in r.flags) and any("sys._getframe" in f for f in r.flags)
+
+
+@needs_bwrap
+def test_an_output_flood_fails_its_rank_not_the_run(graded):
+    r = graded.attacks["route7_built_names"]          # its answer writes to stdout forever
+    assert not r.note
+    assert all("File too large" in v.judged for v in r.verdicts), [v.judged for v in r.verdicts]
+
+
+@needs_bwrap
+def test_broken_files_get_one_line_and_the_class_run_writes_every_report(graded):
+    got, out = graded.attacks, graded.folder / "attack_grades"
+    for name in mk.malformed():
+        assert got[name].score == 0 and got[name].note.startswith(("not a notebook", "the file is")), got[name].note
+    rows = list(csv.DictReader(open(out / "grades.csv")))
+    totals = {Path(r["submission"]).stem: float(r["points"]) for r in rows if r["check"] == "TOTAL"}
+    assert totals == {name: got[name].score for name in totals}
+    assert set(totals) == set(mk.attacks(0, 0)) | set(mk.malformed())
+    assert all(r["reason"] and "\n" not in r["reason"] for r in rows if r["status"] == "fail")
+    suites = ET.parse(out / "junit.xml").getroot().findall("testsuite")
+    assert len(suites) == len(totals)
+    md = (out / "grades.md").read_text()
+    assert "| Submission | Score | Max | Passed | Note / first failure | Audit |" in md
+
+
+# ---------------------------------------------------------------- every lab
+
+@pytest.mark.parametrize("lab_name", sorted(LABS))
+def test_solutions_get_full_marks_and_unfilled_labs_zero(graded, lab_name):
+    correct, unfilled = graded.labs[lab_name]["correct"], graded.labs[lab_name]["not_started"]
+    tasks = prepare(lab_name, first_case=True).graded       # references are cached: nothing is recomputed
+    lines = [line for g in tasks for line in g.lines]
+    assert [v.check for v in correct.verdicts] == lines and [v.check for v in unfilled.verdicts] == lines
+    assert correct.score == correct.max_score > 0 and not correct.flags and not correct.note, [
+        (v.check, v.reason) for v in correct.verdicts if v.reason] + correct.flags + [correct.note]
+    assert unfilled.score == 0 and not unfilled.flags and not unfilled.note, unfilled.flags + [unfilled.note]
+    assert all(v.reason.startswith("not implemented yet") for v in unfilled.verdicts), [
+        (v.check, v.reason) for v in unfilled.verdicts if not v.reason.startswith("not implemented yet")]
+
+
+def test_self_check_prints_progress_and_a_one_line_summary(tmp_path, capsys, no_orphans):
+    from distlab.cli import main
+    nb = tmp_path / "mine.ipynb"
+    mk.write({"mine": mk.submission(mk.shipped("01_collectives"), mk.solution_answers("01_collectives"))}, tmp_path)
+    rc = main(["grade", "--self", "--no-sandbox", "01_collectives", str(nb), "--only", "all_gather, 2 ranks"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert "--no-sandbox: submissions run as you" in captured.err
+    assert "  [1/1] all_gather, 2 ranks: ran" in captured.out
+    assert captured.out.rstrip().splitlines()[-1].startswith(f"{nb}: 2/2 points, 2/2 checks passed in ")
