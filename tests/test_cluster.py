@@ -127,16 +127,21 @@ def test_a_failing_rank_names_its_node_and_a_killed_agent_ends_the_job(tmp_path)
     job.mkdir()
     export([("02_ddp", None)], job)
     agents = _agents(job, job, "--stall", "10", steps=100_000)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all((job / "results" / f"node{k}.jsonl").exists() for k in range(2)):
-        time.sleep(0.5)   # both nodes' ranks are up and training once their node files exist
-    assert all((job / "results" / f"node{k}.jsonl").exists() for k in range(2)), "the job never started"
-    time.sleep(2)
-    os.kill(agents[1].pid, signal.SIGKILL)
-    killed = time.monotonic()
-    code = agents[0].wait(timeout=180)
-    took = time.monotonic() - killed
-    _finish(agents, timeout=5)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all((job / "results" / f"node{k}.jsonl").exists() for k in range(2)):
+            time.sleep(0.5)   # both nodes' ranks are up and training once their node files exist
+        assert all((job / "results" / f"node{k}.jsonl").exists() for k in range(2)), "the job never started"
+        time.sleep(2)
+        os.kill(agents[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            code = agents[0].wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - killed
+    finally:
+        _finish(agents, timeout=5)   # whatever happened, the agents' sessions end here
     text = (job / "agent0.log").read_text()
     assert code != 0 and took < 90, (code, took)
     assert "distlab: rank" in text and "(node " in text, text[-3000:]
