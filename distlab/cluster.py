@@ -27,6 +27,7 @@ import argparse
 import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -233,6 +234,18 @@ def main(labs: str | list[str], answers: ModuleType | list[ModuleType], argv: li
     @record   # torchrun reports the first failing rank's error with its rank and host
     def job() -> None:
         me = identity()
+
+        def stopped(signum: int, frame: Any) -> None:
+            # torchrun's agent ends its ranks with SIGTERM when any rank or node of the job failed
+            # (or its rendezvous store went away with another node): say who stopped, and why.
+            sys.stderr.write(f"distlab: rank {me['rank']} (node {me['node']}, host {me['host']}, local rank "
+                             f"{me['local_rank']}) stopped by its torchrun agent ({signal.Signals(signum).name}): "
+                             "a rank or node of this job failed or went away; the first error in the nodes' "
+                             "logs names it\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, stopped)
         dog = Watchdog(dist.distributed_c10d._get_default_store(), me, args.stall)
         dog.start()
         if me["local_rank"] == 0:   # this job's node records only (strategies.jsonl is appended to, as the tour's)

@@ -65,6 +65,11 @@ def _descendants() -> dict[int, str]:
     return out
 
 
+# Unfilled labs are graded for two labs taught in steps (the chapter-1 class grades lab 01's); that
+# every unfilled lab fails every line is tests/test_labs.py's (the grader's reading of a stub is generic).
+UNFILLED = ("05_zero3", "07_tensor_parallel")
+
+
 @pytest.fixture(scope="session")
 def graded(tmp_path_factory):
     start = time.monotonic()
@@ -100,7 +105,7 @@ def graded(tmp_path_factory):
     # longest first; the class runs grade two submissions at a time themselves
     work = [("class", class_run)] + ([("attacks", attack_run)] if BWRAP else [])
     work += [((name, which), lambda name=name, which=which: lab_run(name, which))
-             for which in ("correct", "not_started") for name in LABS]
+             for name in LABS for which in ("correct", "not_started") if which == "correct" or name in UNFILLED]
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {key: pool.submit(fn) for key, fn in work}
@@ -119,7 +124,8 @@ def graded(tmp_path_factory):
               f"longest {max(r.seconds for r in got):.0f} s")
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])), folder=folder,
-        labs={name: {which: done[name, which] for which in ("correct", "not_started")} for name in LABS},
+        labs={name: {which: done[name, which] for which in ("correct", "not_started") if (name, which) in done}
+              for name in LABS},
         leftover=leftover)
 
 
@@ -266,12 +272,16 @@ def test_broken_files_get_one_line_and_the_class_run_writes_every_report(graded)
 
 @pytest.mark.parametrize("lab_name", sorted(LABS))
 def test_solutions_get_full_marks_and_unfilled_labs_zero(graded, lab_name):
-    correct, unfilled = graded.labs[lab_name]["correct"], graded.labs[lab_name]["not_started"]
+    correct = graded.labs[lab_name]["correct"]
     tasks = prepare(lab_name, first_case=True).graded       # references are cached: nothing is recomputed
     lines = [line for g in tasks for line in g.lines]
-    assert [v.check for v in correct.verdicts] == lines and [v.check for v in unfilled.verdicts] == lines
+    assert [v.check for v in correct.verdicts] == lines
     assert correct.score == correct.max_score > 0 and not correct.flags and not correct.note, [
         (v.check, v.reason) for v in correct.verdicts if v.reason] + correct.flags + [correct.note]
+    if lab_name not in UNFILLED:
+        return
+    unfilled = graded.labs[lab_name]["not_started"]
+    assert [v.check for v in unfilled.verdicts] == lines
     assert unfilled.score == 0 and not unfilled.flags and not unfilled.note, unfilled.flags + [unfilled.note]
     assert all(v.reason.startswith("not implemented yet") for v in unfilled.verdicts), [
         (v.check, v.reason) for v in unfilled.verdicts if not v.reason.startswith("not implemented yet")]
