@@ -65,9 +65,9 @@ def _descendants() -> dict[int, str]:
     return out
 
 
-# Unfilled labs are graded for two labs taught in steps (the chapter-1 class grades lab 01's); that
+# Unfilled labs are graded for one lab taught in steps (the chapter-1 class grades lab 01's); that
 # every unfilled lab fails every line is tests/test_labs.py's (the grader's reading of a stub is generic).
-UNFILLED = ("05_zero3", "07_tensor_parallel")
+UNFILLED = ("05_zero3",)
 
 
 @pytest.fixture(scope="session")

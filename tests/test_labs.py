@@ -88,6 +88,7 @@ def test_unfilled_lab_fails_every_graded_line(solution, no_orphans):
 
 def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path):
     """A lab opens without verdicts; `pytest --nbval-lax` passes once the stubs are filled in, not before."""
+    import copy
     import subprocess
     import sys
 
@@ -103,14 +104,15 @@ def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path):
     assert all(not c.outputs and c.execution_count is None for c in lab.cells)   # nothing to see yet
     assert expected_lines(lab.cells[1]) == ["PASS double"]
 
-    def nbval(nb):
-        path = tmp_path / "lab.ipynb"
-        nbformat.write(nb, path)
-        return subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
-                               str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-
-    unfinished = nbval(lab)
-    assert unfinished.returncode == 1 and "Cell outputs differ" in unfinished.stdout, unfinished.stdout[-3000:]
-    lab.cells[0].source = "def double(x):\n    return x + x"  # the learner's answer
-    finished = nbval(lab)
-    assert finished.returncode == 0, finished.stdout[-6000:]
+    # One nbval run (one interpreter) over both notebooks: the unfilled lab and the learner's.
+    nbformat.write(lab, tmp_path / "unfinished.ipynb")
+    filled = nbformat.from_dict(copy.deepcopy(lab))
+    filled.cells[0].source = "def double(x):\n    return x + x"  # the learner's answer
+    nbformat.write(filled, tmp_path / "finished.ipynb")
+    run = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-rA", "-p", "no:cacheprovider",
+                          "unfinished.ipynb", "finished.ipynb"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    out = run.stdout
+    assert run.returncode == 1 and "Cell outputs differ" in out, out[-3000:]
+    assert "FAILED unfinished.ipynb::Cell 1" in out, out[-3000:]                 # the check, before the answer
+    assert "PASSED finished.ipynb::Cell 1" in out and "FAILED finished.ipynb" not in out, out[-6000:]
