@@ -68,12 +68,17 @@ def test_report_pairs_measured_with_theory_and_quotes_races():
                "strategies": [{"name": "zero1", "world_size": 2, "backend": "gloo", "recipe": "mixed",
                                "model_state_bytes": {"params": 2 * 2**20, "optimizer_state": 6 * 2**20},
                                "predicted_model_state_bytes": 8 * 2**20, "comm_bytes_per_step": 1000,
-                               "predicted_comm_bytes_per_step": 1000, "samples_per_s": 10.0}],
+                               "predicted_comm_bytes_per_step": 1000, "samples_per_s": 10.0},
+                              {"name": "zero1_torch", "world_size": 2, "backend": "gloo",
+                               "model_state_bytes": 8 * 2**20, "predicted_model_state_bytes": 8 * 2**20,
+                               "comm_bytes_per_step": 2000, "predicted_comm_bytes_per_step": 1000}],
                "races": [{"name": "zero1", "baseline": "torch DDP", "ratio": 0.97, "spread_lo": 0.9,
                           "spread_hi": 1.02, "repeats": 9, "world_size": 2}],
                "tp": [{"name": "tp", "world_size": 2, "comm_bytes": 10.0, "predicted_comm_bytes": 10.0}]}
     text = build(summary, []).markdown()
-    assert "Model states per rank matched theory within 0.00% in every one" in text
+    assert "Model states per rank matched theory within 0.00% in every one." in text
+    assert ("Algorithmic bytes sent per step matched 2Ψ(N-1)/N (DDP, ZeRO-1/2) or 3Ψ(N-1)/N (ZeRO-3) in 1 of 2, "
+            "within 0.00%; zero1_torch (N=2) sent 2.00x: its chapter explains why.") in text
     assert "| zero1 | 2 | gloo | 0.000954 | 0.000954 | 1.0000x | 8 | 8 | 1.0000x |" in text
     assert "zero1 ran at 0.97x torch DDP (middle half of 9 alternated repeats: 0.90–1.02x; N=2)." in text
     assert "## tp" in text and "1.0000x" in text.split("## tp")[1]
