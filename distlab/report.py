@@ -203,8 +203,43 @@ def _strategies(report: Report, s: dict[str, Any]) -> None:
     report.table(["name", "N", "recipe", "samples/s (alone)", "max abs Δ param vs one process"], speed)
 
 
+# Chapter sections recorded by the notebooks: (chapter, heading, how to read the table).
+TITLES: dict[str, tuple[int, str, str]] = {
+    "zero_table": (6, "Chapter 6 — The ZeRO memory table, measured",
+                   "Model states per rank for each ZeRO stage, against the paper's formulas."),
+    "fsdp_meshes": (6, "Chapter 6 — FSDP2 on 1-D, HSDP and 2-D meshes",
+                    "Traffic per step and model states per rank for each mesh layout, against theory."),
+    "fsdp_hsdp": (6, "Chapter 6 — HSDP", "Model states per rank, sharded inside a group and replicated across."),
+    "fsdp_activations": (6, "Chapter 6 — Activations under FSDP",
+                         "Activation bytes held per row of the batch: what sharding the model states leaves."),
+    "tp": (7, "Chapter 7 — Tensor parallelism (Megatron)",
+           "Bytes per step and activation memory of the hand-written TP block, against theory."),
+    "tp_torch": (7, "Chapter 7 — PyTorch's parallelize_module", "The same block through DTensor, against theory."),
+    "sp": (7, "Chapter 7 — Sequence parallelism",
+           "Reduce-scatter + all-gather at the all-reduce's bytes; norm and dropout activations cut by t."),
+    "cp_ring": (7, "Chapter 7 — Context parallelism: ring attention and Ulysses",
+                "Bytes per step of the ring and of the all-to-all variant, and peak memory, against theory."),
+    "zero3_vs_tp": (7, "Chapter 7 — ZeRO-3 against tensor parallelism",
+                    "Bytes per step of each as tokens per step grow: weights against activations."),
+    "tp_2d": (7, "Chapter 7 — 2-D: FSDP over data × TP over the model",
+              "Traffic per group and memory per rank, against theory."),
+    "pp_gpipe": (8, "Chapter 8 — Pipelines: GPipe",
+                 "The bubble read off per-rank timelines against (p−1)/(m+p−1), and the activation peak in "
+                 "micro-batches (CPU stages share cores: the bubble runs above theory under load)."),
+    "pp_1f1b": (8, "Chapter 8 — Pipelines: 1F1B", "As GPipe, with at most p micro-batches in flight per stage."),
+    "pp_torch": (8, "Chapter 8 — torch.distributed.pipelining", "PyTorch's schedules on the same stages."),
+    "offload": (8, "Chapter 8 — ZeRO-Offload",
+                "Bytes moved down and up per step against 2Ψ each way, and the device/host split of model states."),
+    "mesh3d": (8, "Chapter 8 — 3-D (dp × tp × pp)",
+               "Traffic per group and memory per rank on the 8-rank mesh, against theory."),
+}
+
+
 def _generic(report: Report, section: str, rows: list[dict[str, Any]]) -> None:
-    report.h(2, section.replace("_", " "))
+    _, title, reading = TITLES.get(section, (99, section.replace("_", " "), ""))
+    report.h(2, title)
+    if reading:
+        report.p(reading)
     headers, body = measured_vs_predicted(rows)
     if len(headers) > 3:
         report.table(headers, body)
@@ -250,11 +285,12 @@ def build(summary: dict[str, Any], figures: list[str]) -> Report:
     if summary.get("races"):
         r.h(2, "Races: your implementations against PyTorch's, alternated in one run")
         _races(r, summary["races"])
-    for section, rows in summary.items():
-        if section in _HANDLED or section in SECTIONS or not isinstance(rows, list) or not rows:
-            continue
-        if isinstance(rows[0], dict):
-            _generic(r, section, rows)
+    rest = [(section, rows) for section, rows in summary.items()
+            if section not in _HANDLED and section not in SECTIONS and isinstance(rows, list) and rows
+            and isinstance(rows[0], dict)]
+    order = list(TITLES)
+    for section, rows in sorted(rest, key=lambda kv: (order.index(kv[0]) if kv[0] in TITLES else len(order), kv[0])):
+        _generic(r, section, rows)
     if figures:
         r.h(2, "Figures")
         for f in figures:

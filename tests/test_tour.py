@@ -81,5 +81,18 @@ def test_report_pairs_measured_with_theory_and_quotes_races():
             "within 0.00%; zero1_torch (N=2) sent 2.00x: its chapter explains why.") in text
     assert "| zero1 | 2 | gloo | 0.000954 | 0.000954 | 1.0000x | 8 | 8 | 1.0000x |" in text
     assert "zero1 ran at 0.97x torch DDP (middle half of 9 alternated repeats: 0.90–1.02x; N=2)." in text
-    assert "## tp" in text and "1.0000x" in text.split("## tp")[1]
+    assert "## Chapter 7 — Tensor parallelism (Megatron)" in text
+    assert "1.0000x" in text.split("## Chapter 7 — Tensor parallelism (Megatron)")[1]
     assert "no native bf16 (a bf16 matmul took 50x fp32)" in text
+
+
+def test_report_names_chapter_sections_and_orders_them_by_chapter():
+    from distlab.report import build
+    summary = {"machine": {"device_count": 1, "device_kind": "cpu", "backend": "gloo", "torch_version": "x",
+                           "cpu_count": 2}, "mode": "quick",
+               "pp_gpipe": [{"name": "p=2", "world_size": 2, "bubble": 0.3, "predicted_bubble": 0.2}],
+               "tp": [{"name": "tp", "world_size": 2, "comm_bytes": 10.0, "predicted_comm_bytes": 10.0}],
+               "new_thing": [{"name": "x", "world_size": 2, "value": 1}]}
+    heads = [line for line in build(summary, []).markdown().splitlines() if line.startswith("## ")]
+    assert heads[-3:] == ["## Chapter 7 — Tensor parallelism (Megatron)", "## Chapter 8 — Pipelines: GPipe",
+                          "## new thing"]
