@@ -188,6 +188,9 @@ def test_the_sandbox_shows_the_environment_and_the_package_only():
     assert not any(b == str(ROOT) or b.startswith(str(ROOT / "solutions")) or b.startswith(str(ROOT / "labs"))
                    or b.startswith(str(ROOT / "tests")) for b in binds), binds
     assert argv[argv.index("--tmpfs") - 2: argv.index("--tmpfs") + 2][-1] == "/tmp"
+    # the environment and package are bound after the private /tmp, so a checkout under /tmp stays visible
+    roots = [i for i, a in enumerate(argv) if a == "--ro-bind" and argv[i + 1] in sandbox._read_only_roots()]
+    assert roots and min(roots) > argv.index("--tmpfs")
 
 
 # ---------------------------------------------------------------- reports

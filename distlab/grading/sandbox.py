@@ -77,10 +77,12 @@ def argv(user_ns: bool = True) -> list[str]:
             cmd += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             cmd += ["--ro-bind", top, top]
-    for root in _read_only_roots():
-        cmd += ["--ro-bind", root, root]
+    # The private /tmp first, the environment and package after it: a checkout or venv that lives
+    # under /tmp is bound on top of the empty tmpfs (mounted later, the tmpfs would hide it).
     cmd += ["--dev", "/dev", "--proc", "/proc", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
             "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm"]
+    for root in _read_only_roots():
+        cmd += ["--ro-bind", root, root]
     gpus = sorted(glob.glob("/dev/nvidia*"))
     for node in gpus:
         cmd += ["--dev-bind", node, node]
