@@ -157,7 +157,7 @@ class OverlappedDDP(OverlappedDDP):
 '''
 
 
-def test_a_hang_is_reported_in_seconds_with_its_case_and_a_hint(no_orphans):
+def test_a_hang_is_reported_in_seconds_with_its_case_and_a_hint(no_orphans, short_stall):
     start = time.monotonic()
     out = _lines(TASKS["overlapped"], answers(LAB, replace={"OverlappedDDP": DEADLOCK}))
     took = time.monotonic() - start

@@ -143,7 +143,7 @@ def _all_gather_params(self):
 '''
 
 
-def test_a_hang_is_reported_in_seconds_with_its_case_and_a_hint(no_orphans):
+def test_a_hang_is_reported_in_seconds_with_its_case_and_a_hint(no_orphans, short_stall):
     start = time.monotonic()
     out = _lines(TASKS["step"], answers(LAB, replace={"a": DEADLOCK}))
     assert time.monotonic() - start < 60

@@ -69,7 +69,7 @@ def test_buckets_in_forward_order_fail_the_order_line(no_orphans):
                              "plain model, float32, bucket_size_mb=0.004, N=1: the buckets hold [tok.weight")
 
 
-def test_a_skipped_broadcast_is_reported_as_a_hang_in_seconds(no_orphans):
+def test_a_skipped_broadcast_is_reported_as_a_hang_in_seconds(no_orphans, short_stall):
     # Rank 1 skips the broadcast of the flat buffer: rank 0 waits for it forever.
     cls = answer_sources(LAB)[1]
     assert "        dist.broadcast(self.flat_param, src=0)" in cls, "the solution changed: update this test"

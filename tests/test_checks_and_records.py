@@ -65,3 +65,39 @@ def _chatty():
 def test_check_output_is_the_verdict_alone(capsys, no_orphans):
     assert check("quiet", lambda: str(distlab.launch(_chatty, 2)))
     assert capsys.readouterr().out == "PASS quiet: [0, 1]\n"
+
+
+def test_a_stub_fails_every_line_and_only_its_first_case_runs():
+    """An answer still raising NotImplementedError: one launch, every line FAILs, later cases are not run."""
+    from distlab.checks.task import Case, Line, Task, run_task
+
+    class Two(Task):
+        name, answers = "two", ("f",)
+
+        def cases(self):
+            return [Case(n, (f"two, {n} ranks",)) for n in (2, 3, 4)]
+
+        def reference(self, case):
+            return None
+
+        def judge(self, case, outputs, reference):
+            return [Line(case.lines[0], True, "")]
+
+    launched = []
+
+    def run(task, case, answers):
+        launched.append(case.world_size)
+        return answers[0]()
+
+    def stub():
+        raise NotImplementedError("your code here")
+
+    lines = run_task(Two(), [stub], run=run)
+    assert launched == [2]
+    assert [line.name for line in lines] == ["two, 2 ranks", "two, 3 ranks", "two, 4 ranks"]
+    assert not any(line.ok for line in lines)
+    assert lines[0].detail == "not implemented yet (NotImplementedError)"
+    assert lines[1].detail == lines[2].detail == "not implemented yet (not run: an earlier case raised NotImplementedError)"
+    # a written answer runs every case
+    launched.clear()
+    assert all(line.ok for line in run_task(Two(), [lambda: [1, 2]], run=run)) and launched == [2, 3, 4]

@@ -1,4 +1,5 @@
-"""Leaving one machine: exported answers under torchrun, two agents on this machine as two nodes.
+"""Leaving one machine: exported answers under torchrun, two agents on this machine as two nodes
+(`distlab.run_under_torchrun` is tested here: the same worker code that `distlab.launch` runs).
 
 Real torchrun agents (c10d rendezvous on 127.0.0.1, gloo), 2 ranks each: the DDP and ZeRO-3
 labs' solutions train in one job; the records are merged by rank 0; a killed agent or a failing

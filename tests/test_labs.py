@@ -10,7 +10,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from distlab.labs import CHECK_TAG, build_labs, expected_lines, is_check_cell, make_lab, strip_answers
 
@@ -92,13 +91,13 @@ def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path):
     import subprocess
     import sys
 
-    from nbformat.v4 import new_code_cell, new_notebook
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
     answer = "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION"
     check_src = "from distlab.checks import check, expect\n_ = check('double', lambda: expect(double(2) == 4, 'no'))"
     solution = new_notebook(cells=[new_code_cell(answer), new_code_cell(check_src, metadata={"tags": [CHECK_TAG]})],
                             metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    NotebookClient(solution, timeout=120, kernel_name="python3").execute()
-    assert _stdout(solution.cells[1]) == "PASS double\n"
+    # The solution as committed: its check's output (the nbval run below shows the check prints exactly this)
+    solution.cells[1].outputs = [new_output("stream", name="stdout", text="PASS double\n")]
     lab = make_lab(solution)
     assert "NotImplementedError" in lab.cells[0].source
     assert all(not c.outputs and c.execution_count is None for c in lab.cells)   # nothing to see yet

@@ -1,8 +1,5 @@
 """The launcher: results by rank, failures named, hangs bounded, nothing left running."""
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 import _thread
@@ -194,30 +191,6 @@ def test_relaunch_is_fast_enough_to_feel_instant(no_orphans):
     start = time.monotonic()
     distlab.launch(lambda: 0, 4)
     assert time.monotonic() - start < 10
-
-
-def test_same_worker_code_runs_under_torchrun(tmp_path, no_orphans):
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
-        import torch, torch.distributed as dist, distlab
-        def work():
-            t = torch.tensor([distlab.rank() + 1.0])
-            dist.all_reduce(t)
-            print(f"rank {distlab.rank()} of {distlab.world_size()} sum {t.item():.0f}")
-        distlab.run_under_torchrun(work)
-    """))
-    # Its own session, so that on a timeout the whole tree (agent + workers) can be ended.
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    assert proc.returncode == 0, stderr[-2000:]
-    assert "rank 0 of 2 sum 3" in stdout and "rank 1 of 2 sum 3" in stdout
 
 
 def test_function_touching_a_config_attribute_and_dist_travels(no_orphans):

@@ -40,6 +40,11 @@ from distlab.checks.verdict import CheckFailed, reason
 # Check cases are small: a healthy case never leaves all ranks idle this long.
 CHECK_STALL_S = 5.0
 
+# The reason `verdict.reason` gives for an answer that raises NotImplementedError (a stub), and the line of
+# each later case of its task, which is then not run.
+NOT_WRITTEN = "not implemented yet"
+SKIPPED_NOT_WRITTEN = f"{NOT_WRITTEN} (not run: an earlier case raised NotImplementedError)"
+
 
 @dataclass(frozen=True)
 class Case:
@@ -161,10 +166,12 @@ def _exercise_on_rank(task: Task, case: Case, answers: tuple) -> Any:
     return task.exercise(case, *answers)
 
 
-def launch_exercise(task: Task, case: Case, answers: tuple, *, stall: float = CHECK_STALL_S) -> list[Any]:
-    """Run `task.exercise(case, *answers)` on `case.world_size` ranks (the notebook's way)."""
+def launch_exercise(task: Task, case: Case, answers: tuple, *, stall: float | None = None) -> list[Any]:
+    """Run `task.exercise(case, *answers)` on `case.world_size` ranks (the notebook's way);
+    `stall`: the hang window, `CHECK_STALL_S` unless given."""
     from distlab.launch import launch
-    return launch(_exercise_on_rank, case.world_size, task, case, tuple(answers), stall=stall)
+    return launch(_exercise_on_rank, case.world_size, task, case, tuple(answers),
+                  stall=CHECK_STALL_S if stall is None else stall)
 
 
 def run_task(task: Task, answers: Iterable[Any], *,
@@ -173,14 +180,15 @@ def run_task(task: Task, answers: Iterable[Any], *,
 
     A case whose launch fails fails its lines with the reason. After a hang,
     the remaining cases are not run (each waits just as long): their lines
-    fail with "not run".
+    fail with "not run". After a NotImplementedError (an answer still to be
+    written) the remaining cases are not run either: they would say the same.
     """
     answers = tuple(answers)
     out: list[Line] = []
-    hung = None
+    skip = None
     for case in task.cases():
-        if hung is not None:
-            out += [Line(n, False, f"not run: {hung}") for n in case.lines]
+        if skip is not None:
+            out += [Line(n, False, skip) for n in case.lines]
             continue
         try:
             ref = reference_of(task, case)
@@ -190,7 +198,9 @@ def run_task(task: Task, answers: Iterable[Any], *,
             from distlab.launch import LaunchStalled
             why = reason(exc, task.hang_hint)
             if isinstance(exc, LaunchStalled):
-                hung = f"an earlier case ({case.world_size} ranks) hung"
+                skip = f"not run: an earlier case ({case.world_size} ranks) hung"
+            elif why.startswith(NOT_WRITTEN):
+                skip = SKIPPED_NOT_WRITTEN
             out += [Line(n, False, why) for n in case.lines]
             continue
         try:

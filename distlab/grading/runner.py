@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--secret-fd", type=int, required=True)
     args = ap.parse_args(argv)
     from distlab.checks import lab_module
+    from distlab.checks.task import NOT_WRITTEN, SKIPPED_NOT_WRITTEN
     from distlab.launch import _PRELOAD
     for name in (*_PRELOAD, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
         __import__(name)
@@ -206,13 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="distlab-runner-")
     for name, indices in job["tasks"]:
         task = module.TASKS[name]
-        hung = ""
+        skip = ""
         cases = task.cases()
         for index in indices:
             case = cases[index]
-            if hung:
+            if skip:
                 rec = {"kind": "case", "task": name, "case": index, "world_size": case.world_size,
-                       "status": "error", "reason": f"not run: {hung}", "streams": [], "flooded": []}
+                       "status": "error", "reason": skip, "streams": [], "flooded": []}
             else:
                 folder = os.path.join(work, f"{name}-{index}")
                 os.mkdir(folder)
@@ -221,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
                       f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
                 if rec.get("stuck"):   # each later case would wait just as long
-                    hung = f"an earlier case ({case.world_size} ranks) {rec['stuck']}"
+                    skip = f"not run: an earlier case ({case.world_size} ranks) {rec['stuck']}"
+                elif rec.get("reason", "").startswith(NOT_WRITTEN):   # a stub: each later case says the same
+                    skip = SKIPPED_NOT_WRITTEN
             writer.send(json.dumps(rec).encode())
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
     shutil.rmtree(work, ignore_errors=True)
