@@ -31,8 +31,8 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _agents(job: Path, out: Path, *extra: str, steps: int = 3) -> list[subprocess.Popen]:
-    """Two torchrun agents (two "nodes"), each in its own session so it can be ended whole."""
+def _agents(job: Path, out: Path, *extra: str, steps: int = 3, nproc: int = 2) -> list[subprocess.Popen]:
+    """Two torchrun agents (two "nodes") of `nproc` ranks, each in its own session so it can be ended whole."""
     port = _port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("DISTLAB_DEVICE_AUDIT", None)
@@ -41,7 +41,7 @@ def _agents(job: Path, out: Path, *extra: str, steps: int = 3) -> list[subproces
         log = open(out / f"agent{node}.log", "w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", f"test-{port}", "job.py", "--out", str(out / "results"), "--steps", str(steps), *extra],
             cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
@@ -107,18 +107,19 @@ def test_two_nodes_train_the_ddp_and_zero3_solutions(tmp_path):
 
 
 def test_a_failing_rank_names_its_node_and_a_killed_agent_ends_the_job(tmp_path):
-    # 1. The learner's class raises on rank 3 only: the job ends, and the message names rank 3's node.
+    # One rank per node here (two ranks per node train in the test above): half the processes to start.
+    # 1. The learner's class raises on rank 1 only: the job ends, and the message names rank 1's node.
     export([("02_ddp", None)], tmp_path)
     module = tmp_path / "answers_02_ddp.py"
     module.write_text(module.read_text().replace(
         "class BucketedDDP(torch.nn.Module):",
         "class BucketedDDP(torch.nn.Module):\n    def __new__(cls, *a, **k):\n"
-        "        if dist.get_rank() == 3:\n            raise RuntimeError('boom on rank 3')\n"
+        "        if dist.get_rank() == 1:\n            raise RuntimeError('boom on rank 1')\n"
         "        return super().__new__(cls)\n", 1))
-    codes = _finish(_agents(tmp_path, tmp_path))
+    codes = _finish(_agents(tmp_path, tmp_path, nproc=1))
     text = "".join((tmp_path / f"agent{k}.log").read_text() for k in range(2))
     assert codes != [0, 0]
-    assert "distlab: rank 3 (node " in text and "boom on rank 3" in text, text[-3000:]
+    assert "distlab: rank 1 (node " in text and "boom on rank 1" in text, text[-3000:]
     assert not _job_processes(tmp_path)
 
     # 2. One node's agent is killed midway: the other node's ranks stop with a clear error, no hang.
@@ -127,7 +128,7 @@ def test_a_failing_rank_names_its_node_and_a_killed_agent_ends_the_job(tmp_path)
     job = tmp_path / "killed"
     job.mkdir()
     export([("02_ddp", None)], job)
-    agents = _agents(job, job, "--stall", "10", steps=100_000)
+    agents = _agents(job, job, "--stall", "10", steps=100_000, nproc=1)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not all((job / "results" / f"node{k}.jsonl").exists() for k in range(2)):

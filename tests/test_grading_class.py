@@ -6,8 +6,9 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
 - the chapter-1 class on its reduce-scatter task (3 cases: 2, 3 and 4 ranks, 6 points), two submissions
   at a time, reports written, as an instructor would;
 - the attacks (one per route) and the broken files on its 2-rank case, as a second class run;
-- each lab's solution and its unfilled lab on every task's first case (later cases only change the world
-  size: the class run covers what several cases add, such as a hang skipping a task's later cases).
+- each lab's solution on every task's first case (later cases only change the world size: the class run
+  covers what several cases add, such as a hang or a stub skipping a task's later cases). Unfilled labs:
+  the class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
 conftest's `no_orphans`, applied after the whole session's grading).
@@ -65,11 +66,6 @@ def _descendants() -> dict[int, str]:
     return out
 
 
-# Unfilled labs are graded for one lab taught in steps (the chapter-1 class grades lab 01's); that
-# every unfilled lab fails every line is tests/test_labs.py's (the grader's reading of a stub is generic).
-UNFILLED = ("05_zero3",)
-
-
 @pytest.fixture(scope="session")
 def graded(tmp_path_factory):
     start = time.monotonic()
@@ -98,14 +94,13 @@ def graded(tmp_path_factory):
         return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "attacks"],
                      out=folder / "attack_grades", jobs=2, opts=opts)
 
-    def lab_run(name, which):
-        paths = mk.write({which: mk.solution_and_unfilled(name)[which]}, folder / "labs" / name)
-        return grade(lab(name, first_case=True), [paths[which]], jobs=1, opts=opts)[0]
+    def lab_run(name):
+        paths = mk.write({"correct": mk.solution_and_unfilled(name)["correct"]}, folder / "labs" / name)
+        return grade(lab(name, first_case=True), [paths["correct"]], jobs=1, opts=opts)[0]
 
     # longest first; the class runs grade two submissions at a time themselves
     work = [("class", class_run)] + ([("attacks", attack_run)] if BWRAP else [])
-    work += [((name, which), lambda name=name, which=which: lab_run(name, which))
-             for name in LABS for which in ("correct", "not_started") if which == "correct" or name in UNFILLED]
+    work += [(name, lambda name=name: lab_run(name)) for name in LABS]
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {key: pool.submit(fn) for key, fn in work}
@@ -124,8 +119,7 @@ def graded(tmp_path_factory):
               f"longest {max(r.seconds for r in got):.0f} s")
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])), folder=folder,
-        labs={name: {which: done[name, which] for which in ("correct", "not_started") if (name, which) in done}
-              for name in LABS},
+        labs={name: done[name] for name in LABS},
         leftover=leftover)
 
 
@@ -139,6 +133,9 @@ def test_chapter1_class_scores(graded):
     reasons = {name: [v.reason for v in got[name].verdicts] for name in scores}
     assert reasons["partial"][1::2] == ["rank 0 called all_reduce: use only send/recv (isend/irecv)"] * 3
     assert all(r.startswith("not implemented yet") for r in reasons["not_started"]), reasons["not_started"]
+    # the stub raised on the first case's ranks; the runner did not launch the later cases
+    assert reasons["not_started"][2:] == [
+        "not implemented yet (not run: an earlier case raised NotImplementedError)"] * 4, reasons["not_started"]
     assert any("ZeroDivisionError" in r for r in reasons["crashing"])
     assert reasons["hanging"][0].startswith("hung: rank(s)") and "a receive has no matching send" in reasons["hanging"][0]
     assert reasons["hanging"][2:] == ["not run: an earlier case (2 ranks) hung"] * 4
@@ -271,20 +268,13 @@ def test_broken_files_get_one_line_and_the_class_run_writes_every_report(graded)
 # ---------------------------------------------------------------- every lab
 
 @pytest.mark.parametrize("lab_name", sorted(LABS))
-def test_solutions_get_full_marks_and_unfilled_labs_zero(graded, lab_name):
-    correct = graded.labs[lab_name]["correct"]
+def test_solutions_get_full_marks(graded, lab_name):
+    correct = graded.labs[lab_name]
     tasks = prepare(lab_name, first_case=True).graded       # references are cached: nothing is recomputed
     lines = [line for g in tasks for line in g.lines]
     assert [v.check for v in correct.verdicts] == lines
     assert correct.score == correct.max_score > 0 and not correct.flags and not correct.note, [
         (v.check, v.reason) for v in correct.verdicts if v.reason] + correct.flags + [correct.note]
-    if lab_name not in UNFILLED:
-        return
-    unfilled = graded.labs[lab_name]["not_started"]
-    assert [v.check for v in unfilled.verdicts] == lines
-    assert unfilled.score == 0 and not unfilled.flags and not unfilled.note, unfilled.flags + [unfilled.note]
-    assert all(v.reason.startswith("not implemented yet") for v in unfilled.verdicts), [
-        (v.check, v.reason) for v in unfilled.verdicts if not v.reason.startswith("not implemented yet")]
 
 
 def test_self_check_prints_progress_and_a_one_line_summary(tmp_path, capsys, no_orphans):
