@@ -85,11 +85,9 @@ def test_unfilled_lab_fails_every_graded_line(solution, no_orphans):
         assert lines and not any(line.ok for line in lines), [str(line) for line in lines if line.ok]
 
 
-def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path):
+def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path, capsys, monkeypatch):
     """A lab opens without verdicts; `pytest --nbval-lax` passes once the stubs are filled in, not before."""
     import copy
-    import subprocess
-    import sys
 
     from nbformat.v4 import new_code_cell, new_notebook, new_output
     answer = "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION"
@@ -108,10 +106,14 @@ def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path):
     filled = nbformat.from_dict(copy.deepcopy(lab))
     filled.cells[0].source = "def double(x):\n    return x + x"  # the learner's answer
     nbformat.write(filled, tmp_path / "finished.ipynb")
-    run = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-rA", "-p", "no:cacheprovider",
-                          "unfinished.ipynb", "finished.ipynb"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
-    out = run.stdout
-    assert run.returncode == 1 and "Cell outputs differ" in out, out[-3000:]
+    # pytest in this process, as a learner's `pytest --nbval-lax` would run (a new session, the plugins found by
+    # their entry points: nbval and distlab's); a subprocess would only import torch and pytest's plugins again.
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path)
+        code = pytest.main(["--nbval-lax", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist",
+                            "-o", "addopts=", "--rootdir", str(tmp_path), "unfinished.ipynb", "finished.ipynb"])
+    out = capsys.readouterr().out
+    assert code == 1 and "Cell outputs differ" in out, out[-3000:]
     assert "FAILED unfinished.ipynb::Cell 1" in out, out[-3000:]                 # the check, before the answer
     assert "PASSED finished.ipynb::Cell 1" in out and "FAILED finished.ipynb" not in out, out[-6000:]
