@@ -8,10 +8,49 @@ cell only with its stored outputs, so before the cells run this plugin gives
 each such cell those lines as its stored output:
 
     pytest --nbval-lax labs/01_collectives.ipynb    # passes once every check prints PASS
+
+It also starts a notebook's kernel again when it exits before it answers (at most
+`KERNEL_STARTS` tries), with what the kernel wrote on stderr: nbval sends that to
+/dev/null and fails every cell of the notebook. On a busy machine a kernel can lose a
+port it was given to another process between the choice and its bind.
 """
 from __future__ import annotations
 
+import sys
+import tempfile
 from typing import Any
+
+KERNEL_STARTS = 3
+
+
+def pytest_configure(config: Any) -> None:
+    try:
+        import nbval.kernel
+    except ImportError:
+        return
+    if not getattr(nbval.kernel.start_new_kernel, "distlab_retries", False):
+        nbval.kernel.start_new_kernel = retrying(nbval.kernel.start_new_kernel)
+
+
+def retrying(start: Any, tries: int = KERNEL_STARTS) -> Any:
+    """`start` (nbval's start_new_kernel) tried up to `tries` times while the kernel dies before it
+    replies; each retry says so, with the last lines the kernel wrote on stderr."""
+
+    def start_new_kernel(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(1, tries + 1):
+            log = tempfile.TemporaryFile()
+            try:
+                return start(*args, **{**kwargs, "stderr": log})
+            except RuntimeError as exc:
+                if "died" not in str(exc) or attempt == tries:
+                    raise
+                log.seek(0)
+                said = log.read().decode(errors="replace").strip().splitlines()[-3:]
+                sys.stderr.write(f"distlab: a notebook kernel exited before it replied (try {attempt} of {tries}); "
+                                 f"it said: {' | '.join(said) or 'nothing'}. Starting it again.\n")
+
+    start_new_kernel.distlab_retries = True
+    return start_new_kernel
 
 
 def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:

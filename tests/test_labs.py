@@ -117,3 +117,36 @@ def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path, cap
     assert code == 1 and "Cell outputs differ" in out, out[-3000:]
     assert "FAILED unfinished.ipynb::Cell 1" in out, out[-3000:]                 # the check, before the answer
     assert "PASSED finished.ipynb::Cell 1" in out and "FAILED finished.ipynb" not in out, out[-6000:]
+
+
+def test_a_kernel_that_dies_at_start_is_started_again_with_its_words(capsys):
+    """nbval's kernel start, wrapped by distlab's plugin: a kernel that exits before replying is retried."""
+    from distlab.nbval_expected import retrying
+    calls = []
+
+    def start(**kwargs):
+        calls.append(kwargs)
+        if len(calls) < 3:
+            kwargs["stderr"].write(b"zmq.error.ZMQError: Address already in use\n")
+            kwargs["stderr"].flush()
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return "km", "kc"
+
+    assert retrying(start)(kernel_name="python3", stderr=None) == ("km", "kc")
+    assert len(calls) == 3 and all(c["kernel_name"] == "python3" for c in calls)
+    err = capsys.readouterr().err
+    assert err.count("distlab: a notebook kernel exited before it replied") == 2
+    assert "(try 1 of 3); it said: zmq.error.ZMQError: Address already in use" in err
+
+    def never(**kwargs):
+        raise RuntimeError("Kernel died before replying to kernel_info")
+    with pytest.raises(RuntimeError, match="died"):
+        retrying(never, tries=2)()
+
+    def other(**kwargs):          # any other failure is nbval's to report, at once
+        calls.append(1)
+        raise RuntimeError("Kernel didn't respond in 60 seconds")
+    calls.clear()
+    with pytest.raises(RuntimeError, match="respond"):
+        retrying(other)()
+    assert calls == [1]
