@@ -16,8 +16,8 @@ port it was given to another process between the choice and its bind.
 """
 from __future__ import annotations
 
-import sys
 import tempfile
+import warnings
 from typing import Any
 
 KERNEL_STARTS = 3
@@ -34,7 +34,7 @@ def pytest_configure(config: Any) -> None:
 
 def retrying(start: Any, tries: int = KERNEL_STARTS) -> Any:
     """`start` (nbval's start_new_kernel) tried up to `tries` times while the kernel dies before it
-    replies; each retry says so, with the last lines the kernel wrote on stderr."""
+    replies; each retry warns, with the last lines the kernel wrote on stderr."""
 
     def start_new_kernel(*args: Any, **kwargs: Any) -> Any:
         for attempt in range(1, tries + 1):
@@ -46,8 +46,10 @@ def retrying(start: Any, tries: int = KERNEL_STARTS) -> Any:
                     raise
                 log.seek(0)
                 said = log.read().decode(errors="replace").strip().splitlines()[-3:]
-                sys.stderr.write(f"distlab: a notebook kernel exited before it replied (try {attempt} of {tries}); "
-                                 f"it said: {' | '.join(said) or 'nothing'}. Starting it again.\n")
+                # a warning: pytest lists it in its summary (a test's own stderr is shown only when it fails)
+                warnings.warn(f"distlab: a notebook kernel exited before it replied (try {attempt} of {tries}); "
+                              f"it said: {' | '.join(said) or 'nothing'}. Starting it again.", RuntimeWarning,
+                              stacklevel=2)
 
     start_new_kernel.distlab_retries = True
     return start_new_kernel
