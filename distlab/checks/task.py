@@ -46,6 +46,18 @@ NOT_WRITTEN = "not implemented yet"
 SKIPPED_NOT_WRITTEN = f"{NOT_WRITTEN} (not run: an earlier case raised NotImplementedError)"
 
 
+def later_cases_reason(world_size: int, why: str, stuck: str = "") -> str | None:
+    """After a case failed with `why` (`stuck`: "hung" or "ran past the cap" when it never ended), the line
+    each later case of the task gets without running, or None if they still run. A hang would make each
+    of them wait just as long; a stub would say the same. (The notebook's `run_task` and the grader's
+    runner both follow this.)"""
+    if stuck:
+        return f"not run: an earlier case ({world_size} ranks) {stuck}"
+    if why.startswith(NOT_WRITTEN):
+        return SKIPPED_NOT_WRITTEN
+    return None
+
+
 @dataclass(frozen=True)
 class Case:
     """One launch of a task: `world_size` ranks run `exercise(case, *answers)`.
@@ -197,10 +209,7 @@ def run_task(task: Task, answers: Iterable[Any], *,
         except Exception as exc:  # noqa: BLE001 - every failure is a verdict
             from distlab.launch import LaunchStalled
             why = reason(exc, task.hang_hint)
-            if isinstance(exc, LaunchStalled):
-                skip = f"not run: an earlier case ({case.world_size} ranks) hung"
-            elif why.startswith(NOT_WRITTEN):
-                skip = SKIPPED_NOT_WRITTEN
+            skip = later_cases_reason(case.world_size, why, "hung" if isinstance(exc, LaunchStalled) else "")
             out += [Line(n, False, why) for n in case.lines]
             continue
         try:

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--secret-fd", type=int, required=True)
     args = ap.parse_args(argv)
     from distlab.checks import lab_module
-    from distlab.checks.task import NOT_WRITTEN, SKIPPED_NOT_WRITTEN
+    from distlab.checks.task import later_cases_reason
     from distlab.launch import _PRELOAD
     for name in (*_PRELOAD, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
         __import__(name)
@@ -221,10 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec = run_case(job, task, index, case, folder)
                 print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
                       f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-                if rec.get("stuck"):   # each later case would wait just as long
-                    skip = f"not run: an earlier case ({case.world_size} ranks) {rec['stuck']}"
-                elif rec.get("reason", "").startswith(NOT_WRITTEN):   # a stub: each later case says the same
-                    skip = SKIPPED_NOT_WRITTEN
+                skip = later_cases_reason(case.world_size, rec.get("reason", ""), rec.get("stuck", "")) or ""
             writer.send(json.dumps(rec).encode())
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
     shutil.rmtree(work, ignore_errors=True)
