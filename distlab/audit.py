@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from distlab.meters.dispatch import EagerMode
 
 PLACED, HOST = "placed", "host"
 
@@ -173,7 +174,7 @@ def _to_target(args: tuple, kwargs: dict) -> str | None:
     return HOST if _is_host_device(device) else PLACED
 
 
-class _CollectiveAudit(TorchDispatchMode):
+class _CollectiveAudit(EagerMode):
     """Sees every collective at the dispatcher (c10d ops), whoever issued it: refuses host tensors."""
 
     def __init__(self, book: _Book) -> None:

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from distlab.meters.dispatch import EagerMode
 
 _aten = torch.ops.aten
 
@@ -59,7 +60,7 @@ def _model_tensors(roots: Any) -> list[torch.Tensor]:
     return out
 
 
-class _TransferMeter(TorchDispatchMode):
+class _TransferMeter(EagerMode):
     def __init__(self, device_side: tuple[Any, ...]) -> None:
         super().__init__()
         self._roots = device_side

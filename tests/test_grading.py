@@ -264,6 +264,49 @@ def test_the_audit_hook_records_what_learner_code_does_and_not_what_the_library_
     assert len(seen) == 7, "\n".join(seen)   # compile and exec of the forged file name: two lines
 
 
+RANK_IMPORTS_SCRIPT = r"""
+import json, os, sys
+from distlab.checks.ch01 import RANK_IMPORTS
+import distlab
+launcher = sys.modules["distlab.launch"]                      # (distlab.launch is also the function)
+launcher._PRELOAD = (*RANK_IMPORTS, "distlab.grading.rankside")   # the fork server of lab 1's runner
+from distlab.grading.rankside import run_case
+
+HEAVY = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.pipelining",
+         "torch.distributed.optim")
+
+
+def rank(job, streams):
+    preloaded = set(sys.modules)          # what the fork server had
+    run_case("01_collectives", job["task"], 0, job["cells"], job["names"], streams, 60)
+    return [m for m in HEAVY if m in sys.modules and m not in preloaded]
+
+
+job = json.loads(sys.stdin.read())
+streams = [os.path.join(job["dir"], f"events{r}") for r in range(2)]
+for path in streams:
+    open(path, "w").close()
+print("IMPORTED", json.dumps(distlab.launch(rank, 2, job, streams, backend="gloo")))
+"""
+
+
+def test_lab_1_ranks_import_nothing_beyond_what_its_runner_preloads(tmp_path):
+    # `distlab grade` preloads only ch01.RANK_IMPORTS for lab 1 (see distlab/grading/runner.py): a module its
+    # ranks import themselves (torch._dynamo: ~3 s of CPU) would be imported again by every rank of every case.
+    # One case of the ring task: audit hook, metered group, track_comm and p2p, as every lab-1 case has.
+    task = "reduce_scatter"
+    lab = load_lab("01_collectives")
+    answers, missing = submission.answers(lab, submission.read(ROOT / "solutions" / "01_collectives.ipynb"))
+    assert not missing
+    names = next(g.names for g in lab.graded if g.task.name == task)
+    job = {"task": task, "cells": answers, "names": list(names), "dir": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", RANK_IMPORTS_SCRIPT], input=json.dumps(job), capture_output=True,
+                         text=True, timeout=300)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("IMPORTED ")), None)
+    assert line is not None, run.stdout[-2000:] + run.stderr[-3000:]
+    assert json.loads(line[len("IMPORTED "):]) == [[], []], "lab 1's ranks imported these themselves"
+
+
 # ---------------------------------------------------------------- when bubblewrap is missing or broken
 
 def test_without_bwrap_the_grader_says_so_once_and_what_that_means(monkeypatch):

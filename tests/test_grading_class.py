@@ -68,6 +68,16 @@ def _descendants() -> dict[int, str]:
 
 @pytest.fixture(scope="session")
 def graded(tmp_path_factory):
+    # Without the device audit the rest of the suite runs under (conftest; the sandbox passes DISTLAB_*
+    # through): these tests are about the grader, and the solutions' placement is audited where they run, in
+    # their notebooks. Under it a lab-1 submission's ranks cost ~5x the CPU (a Python hook on every one of a
+    # ring's many small ops).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DISTLAB_DEVICE_AUDIT", "0")
+        return _grade_everything(tmp_path_factory)
+
+
+def _grade_everything(tmp_path_factory):
     start = time.monotonic()
     folder = tmp_path_factory.mktemp("grading")
     # the sandbox when bwrap works here; else None: the class and the labs are graded without one (the attacks

@@ -190,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     from distlab.checks import lab_module
     from distlab.checks.task import later_cases_reason
     from distlab.launch import _PRELOAD
-    for name in (*_PRELOAD, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
-        __import__(name)
     job = json.load(sys.stdin)
     module = lab_module(job["lab"])        # imported here, the ranks (forked from the fork server) have it too
+    # what the ranks would otherwise import again on every launch: the lab's own list, else the launcher's
+    for name in (*getattr(module, "RANK_IMPORTS", _PRELOAD), "distlab.grading.rankside", "distlab.grading.safeload",
+                 "distlab.checks.verdict"):
+        __import__(name)
     _fork_server((args.result_fd, args.secret_fd, 0))
     _no_dump()
     sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)

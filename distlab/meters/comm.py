@@ -24,9 +24,9 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from distlab.meters.dispatch import EagerMode
 from distlab.theory import collective_bytes_sent
 
 # c10d op name -> (collective kind, how to find S: "in", "out", "in_all", ...)
@@ -109,7 +109,7 @@ def _own_dispatch(t: type) -> bool:
     return isinstance(t, type) and issubclass(t, DTensor)
 
 
-class _CommMeter(TorchDispatchMode):
+class _CommMeter(EagerMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from distlab.meters.dispatch import EagerMode
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class MemoryStats:
     peak_bytes: int
 
 
-class _StorageTracker(TorchDispatchMode):
+class _StorageTracker(EagerMode):
     """Counts bytes of storages born inside the mode, until each is freed."""
 
     def __init__(self) -> None:
