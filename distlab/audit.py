@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from distlab.meters.dispatch import EagerMode
 
@@ -112,6 +111,21 @@ def _describe(t: torch.Tensor) -> str:
     return f"tensor of shape {tuple(t.shape)} ({t.dtype})"
 
 
+def _tensors(x: Any, out: list | None = None, depth: int = 0) -> list:
+    """The tensors in an op's arguments or result (lists, tuples, dicts, nested). Not torch's pytree: this
+    runs on every torch call of an audited rank, and the generic walk was most of the audit's cost."""
+    out = [] if out is None else out
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif depth < 8 and isinstance(x, (list, tuple)):
+        for v in x:
+            _tensors(v, out, depth + 1)
+    elif depth < 8 and isinstance(x, dict):
+        for v in x.values():
+            _tensors(v, out, depth + 1)
+    return out
+
+
 class _FunctionAudit(TorchFunctionMode):
     """Sees every torch call with its original arguments: classes results, refuses mixing."""
 
@@ -126,18 +140,16 @@ class _FunctionAudit(TorchFunctionMode):
             out = func(*args, **kwargs)
             device = kwargs.get("device")
             host = name in ("from_numpy", "frombuffer") or _is_host_device(device)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.book.mark(t, HOST if host else PLACED, _where() if host else None)
+            for t in _tensors(out):
+                self.book.mark(t, HOST if host else PLACED, _where() if host else None)
             return out
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensors(kwargs, _tensors(args))
         out = func(*args, **kwargs)
         if name in ("to", "cuda", "cpu", "_to_copy"):
             target = HOST if name == "cpu" else _to_target(args, kwargs)
             if target is not None:
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        self.book.mark(t, target, _where() if target == HOST else None)
+                for t in _tensors(out):
+                    self.book.mark(t, target, _where() if target == HOST else None)
                 return out
         kinds = [(t, self.book.get(t)) for t in tensors]
         placed = [t for t, k in kinds if k == PLACED]
@@ -155,8 +167,8 @@ class _FunctionAudit(TorchFunctionMode):
             if result == HOST:
                 src = next(t for t, k in kinds if k == HOST)
                 born = self.book.born(src)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and self.book.get(t) is None:
+            for t in _tensors(out):
+                if self.book.get(t) is None:
                     self.book.mark(t, result, born)
         return out
 
@@ -184,8 +196,8 @@ class _CollectiveAudit(EagerMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func.namespace in ("c10d", "_c10d_functional"):
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and self.book.get(t) == HOST and t.numel() > 1:
+            for t in _tensors(kwargs, _tensors(args)):
+                if self.book.get(t) == HOST and t.numel() > 1:
                     raise DeviceAuditError(
                         f"device audit: the collective {func.__name__.split('.')[0]} got a {_describe(t)} created "
                         f"without a device at {self.book.born(t)}. Under NCCL every tensor "
