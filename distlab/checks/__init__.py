@@ -6,7 +6,8 @@
 
 Each lab module defines `TASKS` (name -> `Task`), `PRELUDE` (the imports the
 lab's answer cells may rely on, which its setup cell holds verbatim) and
-`grade`. The verdicts are computed where they are printed, from the ranks'
+`grade`; optionally `RANK_IMPORTS`, what its ranks import, which `distlab grade`
+preloads instead of `distlab.launch`'s list (lab 1: no torch._dynamo, no FSDP). The verdicts are computed where they are printed, from the ranks'
 raw outputs (see `distlab.checks.task`), so `distlab grade` reuses them.
 """
 from __future__ import annotations
