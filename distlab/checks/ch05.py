@@ -21,6 +21,7 @@ the learner's code.
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 from typing import Any
 
@@ -260,6 +261,9 @@ class BackwardTask(Task):
         x, y = _batch(0, n, r)
         with track_comm() as forward:
             loss = lm_loss(zero, x, y)
+        # only what is reachable counts: a buffer left in a reference cycle (freed at the next collection,
+        # whenever that runs) is not kept by autograd, and left uncollected it failed a correct answer
+        gc.collect()
         alive = sum(w() is not None for w in zero.born)   # while autograd holds the graph
         with track_comm() as backward:
             loss.backward()
