@@ -113,7 +113,8 @@ def _describe(t: torch.Tensor) -> str:
 
 def _tensors(x: Any, out: list | None = None, depth: int = 0) -> list:
     """The tensors in an op's arguments or result (lists, tuples, dicts, nested). Not torch's pytree: this
-    runs on every torch call of an audited rank, and the generic walk was most of the audit's cost."""
+    runs on every torch call of an audited rank, and the generic walk was about a third of the audit's own
+    time per call (profiled on a lab-1 rank)."""
     out = [] if out is None else out
     if isinstance(x, torch.Tensor):
         out.append(x)
