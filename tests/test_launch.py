@@ -1,5 +1,6 @@
 """The launcher: results by rank, failures named, hangs bounded, nothing left running."""
 import os
+import signal
 import threading
 import time
 import _thread
@@ -148,9 +149,15 @@ def test_keyboard_interrupt_kills_every_rank(tmp_path, no_orphans):
             time.sleep(0.05)
         _thread.interrupt_main()
 
-    threading.Thread(target=interrupt_when_started, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        distlab.launch(sleeper, 2, str(tmp_path), timeout=60)
+    # A process started in the background by a non-interactive shell inherits SIGINT ignored, and Python then
+    # installs no handler, so interrupt_main() would do nothing: put Python's own handler (Ctrl-C) in place.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_when_started, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            distlab.launch(sleeper, 2, str(tmp_path), timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 2
     assert not any(psutil.pid_exists(p) for p in pids)
