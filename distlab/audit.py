@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from distlab.meters.dispatch import EagerMode
 
 PLACED, HOST = "placed", "host"
 
@@ -55,6 +54,11 @@ _FACTORIES = {
 _MIXING_ALLOWED = {"copy_", "to", "cpu", "cuda", "__setitem__", "set_", "item", "tolist", "numpy", "__get__",
                    "__set__", "__repr__", "__format__", "__str__", "equal", "size", "dim", "numel", "stride",
                    "data_ptr", "untyped_storage", "element_size", "__len__", "register_hook", "is_floating_point"}
+# Collectives, as this mode sees them: torch.distributed's Python API (each call, p2p included, goes
+# through torch's function modes) and the c10d operators called directly (functional collectives).
+# What C++ issues by itself (DDP's bucket all-reduces, on buffers it allocates) is not seen.
+_C10D = "torch.distributed.distributed_c10d"
+_C10D_OPS = ("c10d", "_c10d_functional")
 _SKIP_FILES = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep + "audit.py", "contextlib.py",
                os.sep + "site-packages" + os.sep + "typing_extensions")
 
@@ -92,7 +96,7 @@ class _Book:
 
     @staticmethod
     def get(t: torch.Tensor) -> str | None:
-        return t.__dict__.get("_distlab_place") if hasattr(t, "__dict__") else None
+        return _place(t)
 
     @staticmethod
     def born(t: torch.Tensor) -> str:
@@ -114,17 +118,24 @@ def _describe(t: torch.Tensor) -> str:
 def _tensors(x: Any, out: list | None = None, depth: int = 0) -> list:
     """The tensors in an op's arguments or result (lists, tuples, dicts, nested). Not torch's pytree: this
     runs on every torch call of an audited rank, and the generic walk was about a third of the audit's own
-    time per call (profiled on a lab-1 rank)."""
+    time per call (profiled on a lab-1 rank); containers are entered, other elements only type-checked."""
     out = [] if out is None else out
     if isinstance(x, torch.Tensor):
         out.append(x)
-    elif depth < 8 and isinstance(x, (list, tuple)):
-        for v in x:
-            _tensors(v, out, depth + 1)
-    elif depth < 8 and isinstance(x, dict):
-        for v in x.values():
-            _tensors(v, out, depth + 1)
+    elif depth < 8 and isinstance(x, (list, tuple, dict)):
+        for v in (x.values() if isinstance(x, dict) else x):
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple, dict)):
+                _tensors(v, out, depth + 1)
     return out
+
+
+def _place(t: torch.Tensor) -> str | None:
+    try:
+        return t.__dict__.get("_distlab_place")
+    except AttributeError:
+        return None
 
 
 class _FunctionAudit(TorchFunctionMode):
@@ -137,6 +148,15 @@ class _FunctionAudit(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        module = getattr(func, "__module__", None) or ""
+        if module == _C10D or (module.startswith("torch._ops") and _namespace(func) in _C10D_OPS):
+            for t in _tensors(kwargs, _tensors(args)):
+                if _place(t) == HOST and t.numel() > 1:
+                    raise DeviceAuditError(
+                        f"device audit: the collective {name} got a {_describe(t)} created "
+                        f"without a device at {self.book.born(t)}. Under NCCL every tensor "
+                        "of a collective must be on the rank's GPU. Create it with device=distlab.device() "
+                        "(or the device of the parameters it serves).")
         if name in _FACTORIES:
             out = func(*args, **kwargs)
             device = kwargs.get("device")
@@ -144,7 +164,9 @@ class _FunctionAudit(TorchFunctionMode):
             for t in _tensors(out):
                 self.book.mark(t, HOST if host else PLACED, _where() if host else None)
             return out
-        tensors = _tensors(kwargs, _tensors(args))
+        tensors = _tensors(args)
+        if kwargs:
+            _tensors(kwargs, tensors)
         out = func(*args, **kwargs)
         if name in ("to", "cuda", "cpu", "_to_copy"):
             target = HOST if name == "cpu" else _to_target(args, kwargs)
@@ -152,26 +174,33 @@ class _FunctionAudit(TorchFunctionMode):
                 for t in _tensors(out):
                     self.book.mark(t, target, _where() if target == HOST else None)
                 return out
-        kinds = [(t, self.book.get(t)) for t in tensors]
-        placed = [t for t, k in kinds if k == PLACED]
-        host = [t for t, k in kinds if k == HOST and t.dim() > 0 and t.numel() > 1]
-        if placed and host and name not in _MIXING_ALLOWED:
-            t = host[0]
+        placed, host, big_host = False, None, None
+        for t in tensors:
+            kind = _place(t)
+            if kind == PLACED:
+                placed = True
+            elif kind == HOST:
+                host = host if host is not None else t
+                if big_host is None and t.numel() > 1:
+                    big_host = t
+        if placed and big_host is not None and name not in _MIXING_ALLOWED:
             raise DeviceAuditError(
-                f"device audit: {name}() mixes a tensor on the rank's device with a {_describe(t)} created "
-                f"without a device at {self.book.born(t)}. On a GPU this raises "
+                f"device audit: {name}() mixes a tensor on the rank's device with a {_describe(big_host)} "
+                f"created without a device at {self.book.born(big_host)}. On a GPU this raises "
                 "'Expected all tensors to be on the same device'. Create it with device=distlab.device() "
                 "(or device=<a parameter>.device), or move it with .to(distlab.device()).")
-        result = PLACED if placed else (HOST if any(k == HOST for _, k in kinds) else None)
-        if result is not None:
-            born = None
-            if result == HOST:
-                src = next(t for t, k in kinds if k == HOST)
-                born = self.book.born(src)
+        if placed or host is not None:
+            result, born = (PLACED, None) if placed else (HOST, self.book.born(host))
             for t in _tensors(out):
-                if self.book.get(t) is None:
+                if _place(t) is None:
                     self.book.mark(t, result, born)
         return out
+
+
+def _namespace(op: Any) -> str:
+    """'c10d' for torch.ops.c10d.<op> (an OpOverload or its packet)."""
+    qualified = getattr(op, "_qualified_op_name", None) or getattr(op, "name", lambda: "")()
+    return qualified.split("::")[0] if isinstance(qualified, str) else ""
 
 
 def _to_target(args: tuple, kwargs: dict) -> str | None:
@@ -187,26 +216,6 @@ def _to_target(args: tuple, kwargs: dict) -> str | None:
     return HOST if _is_host_device(device) else PLACED
 
 
-class _CollectiveAudit(EagerMode):
-    """Sees every collective at the dispatcher (c10d ops), whoever issued it: refuses host tensors."""
-
-    def __init__(self, book: _Book) -> None:
-        super().__init__()
-        self.book = book
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func.namespace in ("c10d", "_c10d_functional"):
-            for t in _tensors(kwargs, _tensors(args)):
-                if self.book.get(t) == HOST and t.numel() > 1:
-                    raise DeviceAuditError(
-                        f"device audit: the collective {func.__name__.split('.')[0]} got a {_describe(t)} created "
-                        f"without a device at {self.book.born(t)}. Under NCCL every tensor "
-                        "of a collective must be on the rank's GPU. Create it with device=distlab.device() "
-                        "(or the device of the parameters it serves).")
-        return func(*args, **kwargs)
-
-
 def _refuse_meshless_fully_shard(*args: Any, **kwargs: Any) -> Any:
     raise DeviceAuditError(
         "device audit: fully_shard() was called without mesh=. It then builds its mesh on this machine's "
@@ -219,11 +228,25 @@ class DeviceAudit:
 
     def __enter__(self) -> "DeviceAudit":
         self.book = _Book()
-        self._modes = [_FunctionAudit(self.book), _CollectiveAudit(self.book)]
+        self._modes = [_FunctionAudit(self.book)]
         for m in self._modes:
             m.__enter__()
-        # fully_shard looks its default mesh up by these names at call time.
         self._patched = []
+        # torch turns a function mode off while it handles a call, and backward() is such a call: the backward
+        # hooks (DDP's and ZeRO-2's bucket all-reduces, FSDP's reduce-scatter, a lab's grad hooks) would run
+        # unseen. backward() and autograd.grad() reach the engine through this name after their own
+        # mode handling: the engine runs with the audit on again.
+        import torch.autograd as autograd
+        engine = getattr(autograd, "_engine_run_backward", None)
+        if engine is not None:
+            mode = self._modes[0]
+
+            def audited_backward(*args: Any, **kwargs: Any) -> Any:
+                with mode:
+                    return engine(*args, **kwargs)
+            self._patched.append((autograd, "_engine_run_backward", engine))
+            autograd._engine_run_backward = audited_backward
+        # fully_shard looks its default mesh up by these names at call time.
         for module_name in ("torch.distributed.fsdp._fully_shard._fully_shard",
                             "torch.distributed.fsdp._fully_shard._fsdp_init"):
             try:

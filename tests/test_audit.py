@@ -46,6 +46,19 @@ def _host_tensor_into_all_reduce():
     dist.all_reduce(t)
 
 
+def _host_bucket_in_a_grad_hook():
+    model = build_model("tiny")
+    bucket = torch.zeros(model.tok.weight.numel())                   # made outside backward, without a device
+
+    def reduce(grad):                                                 # runs inside backward(), as DDP's do
+        bucket.copy_(grad.reshape(-1))
+        dist.all_reduce(bucket)
+        return grad
+    model.tok.weight.register_hook(reduce)
+    x, y = synthetic_batch(0, 4, model.config)
+    lm_loss(model, x, y).backward()
+
+
 def _meshless_fully_shard():
     from torch.distributed.fsdp import fully_shard
     fully_shard(build_model("tiny"))
@@ -58,10 +71,12 @@ def test_placed_code_passes_the_audit(no_orphans):
 
 @pytest.mark.parametrize("fn, words", [
     (_host_batch, ["embedding()", "shape (4, 16)", "_host_batch"]),
-    (_host_bucket_buffer, ["collective allreduce_", "shape (34176,)", "_host_bucket_buffer"]),
-    (_host_tensor_into_all_reduce, ["collective allreduce_", "shape (16,)", "_host_tensor_into_all_reduce"]),
+    (_host_bucket_buffer, ["collective all_reduce", "shape (34176,)", "_host_bucket_buffer"]),
+    (_host_tensor_into_all_reduce, ["collective all_reduce", "shape (16,)", "_host_tensor_into_all_reduce"]),
+    (_host_bucket_in_a_grad_hook, ["collective all_reduce", "_host_bucket_in_a_grad_hook"]),
     (_meshless_fully_shard, ["fully_shard() was called without mesh="]),
-], ids=["device-less-batch", "device-less-bucket", "device-less-all-reduce", "fully-shard-without-mesh"])
+], ids=["device-less-batch", "device-less-bucket", "device-less-all-reduce", "device-less-bucket-in-backward",
+        "fully-shard-without-mesh"])
 def test_each_defect_class_is_caught_with_its_line(fn, words, no_orphans):
     with pytest.raises(distlab.RankFailed) as info:
         distlab.launch(fn, 2, audit=True)
