@@ -268,8 +268,10 @@ RANK_IMPORTS_SCRIPT = r"""
 import json, os, sys
 from distlab.checks.ch01 import RANK_IMPORTS
 import distlab
-launcher = sys.modules["distlab.launch"]                      # (distlab.launch is also the function)
-launcher._PRELOAD = (*RANK_IMPORTS, "distlab.grading.rankside")   # the fork server of lab 1's runner
+from distlab.grading.runner import _fork_server
+for name in (*RANK_IMPORTS, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
+    __import__(name)                  # what lab 1's runner imports before it forks its ranks' fork server ...
+_fork_server(())                      # ... from itself, as here
 from distlab.grading.rankside import run_case
 
 HEAVY = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.pipelining",
