@@ -38,14 +38,18 @@ def _build_with(ShardedOptimizer):
     return build
 
 
-def _measure_forced(native: str, build, name: str) -> dict:
-    """On every rank: the chapter's measurement with DISTLAB_NATIVE_BF16 forced; and what it computed in."""
+def _measure_forced(native: str, build, names: tuple[str, ...]) -> list[dict]:
+    """On every rank: the chapter's measurement of each strategy with DISTLAB_NATIVE_BF16 forced; and what it
+    computed in (one launch for both strategies)."""
     os.environ["DISTLAB_NATIVE_BF16"] = native
     from distlab.dp_measure import measure
     from distlab.precision import compute_dtype
-    out = measure(build, name, preset="tiny", dtype=torch.bfloat16, batch_size=4, steps=3)
-    out["compute_dtype"] = str(compute_dtype(torch.bfloat16))
-    return out
+    outs = []
+    for name in names:
+        out = measure(build, name, preset="tiny", dtype=torch.bfloat16, batch_size=4, steps=3)
+        out["compute_dtype"] = str(compute_dtype(torch.bfloat16))
+        outs.append(out)
+    return outs
 
 
 def test_model_state_and_traffic_bytes_do_not_depend_on_native_bf16(tmp_path, monkeypatch, no_orphans):
@@ -56,8 +60,10 @@ def test_model_state_and_traffic_bytes_do_not_depend_on_native_bf16(tmp_path, mo
     psi, n = num_params(build_model("tiny")), 2
     for native in ("0", "1"):
         monkeypatch.setenv("DISTLAB_RESULTS", str(tmp_path / native))
-        for name in ("zero1", "zero1_torch"):
-            outs = distlab.launch(_measure_forced, n, native, build, name)
+        names = ("zero1", "zero1_torch")
+        by_rank = distlab.launch(_measure_forced, n, native, build, names)
+        for k, name in enumerate(names):
+            outs = [per_rank[k] for per_rank in by_rank]
             assert {o["compute_dtype"] for o in outs} == {"torch.float32" if native == "0" else "torch.bfloat16"}
             record_strategy(name, world_size=n, num_params=psi, recipe="bf16+fp32 Adam", preset="tiny",
                             measured=outs[0], predicted_model_state_bytes={}, predicted_comm_bytes_per_step=0,
