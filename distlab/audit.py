@@ -236,16 +236,19 @@ class DeviceAudit:
         # hooks (DDP's and ZeRO-2's bucket all-reduces, FSDP's reduce-scatter, a lab's grad hooks) would run
         # unseen. backward() and autograd.grad() reach the engine through this name after their own
         # mode handling: the engine runs with the audit on again.
+        # (torch.compiler patches the same two names the same way for its tracing.)
         import torch.autograd as autograd
+        import torch.autograd.graph as graph
         engine = getattr(autograd, "_engine_run_backward", None)
-        if engine is not None:
+        if engine is not None and getattr(graph, "_engine_run_backward", None) is engine:
             mode = self._modes[0]
 
             def audited_backward(*args: Any, **kwargs: Any) -> Any:
                 with mode:
                     return engine(*args, **kwargs)
-            self._patched.append((autograd, "_engine_run_backward", engine))
-            autograd._engine_run_backward = audited_backward
+            for module in (autograd, graph):
+                self._patched.append((module, "_engine_run_backward", engine))
+                module._engine_run_backward = audited_backward
         # fully_shard looks its default mesh up by these names at call time.
         for module_name in ("torch.distributed.fsdp._fully_shard._fully_shard",
                             "torch.distributed.fsdp._fully_shard._fsdp_init"):

@@ -1,4 +1,5 @@
-"""The base of distlab's dispatch modes (meters and audits): a TorchDispatchMode that leaves torch._dynamo alone.
+"""The base of distlab's dispatch modes (the comm, memory and transfer meters): a TorchDispatchMode that
+leaves torch._dynamo alone.
 
 PyTorch wraps every TorchDispatchMode subclass's `__torch_dispatch__` in
 `torch._disable_dynamo`, which imports `torch._dynamo` the first time the mode
