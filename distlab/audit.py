@@ -95,10 +95,6 @@ class _Book:
     object itself, so they die with it (a view is a new object, classed from its base)."""
 
     @staticmethod
-    def get(t: torch.Tensor) -> str | None:
-        return _place(t)
-
-    @staticmethod
     def born(t: torch.Tensor) -> str:
         return (t.__dict__.get("_distlab_born") if hasattr(t, "__dict__") else None) or "an unknown line"
 
@@ -228,9 +224,8 @@ class DeviceAudit:
 
     def __enter__(self) -> "DeviceAudit":
         self.book = _Book()
-        self._modes = [_FunctionAudit(self.book)]
-        for m in self._modes:
-            m.__enter__()
+        self._mode = _FunctionAudit(self.book)
+        self._mode.__enter__()
         self._patched = []
         # torch turns a function mode off while it handles a call, and backward() is such a call: the backward
         # hooks (DDP's and ZeRO-2's bucket all-reduces, FSDP's reduce-scatter, a lab's grad hooks) would run
@@ -241,7 +236,7 @@ class DeviceAudit:
         import torch.autograd.graph as graph
         engine = getattr(autograd, "_engine_run_backward", None)
         if engine is not None and getattr(graph, "_engine_run_backward", None) is engine:
-            mode = self._modes[0]
+            mode = self._mode
 
             def audited_backward(*args: Any, **kwargs: Any) -> Any:
                 with mode:
@@ -265,8 +260,7 @@ class DeviceAudit:
     def __exit__(self, *exc: Any) -> None:
         for module, attr, original in self._patched:
             setattr(module, attr, original)
-        for m in reversed(self._modes):
-            m.__exit__(*exc)
+        self._mode.__exit__(*exc)
 
 
 # ---- static checks of notebook code ---------------------------------------------------------------
