@@ -2,8 +2,9 @@
 (`distlab.run_under_torchrun` is tested here: the same worker code that `distlab.launch` runs).
 
 Real torchrun agents (c10d rendezvous on 127.0.0.1, gloo), 2 ranks each: the DDP and ZeRO-3
-labs' solutions train in one job (on the 'tiny' model: the job's mechanics are under test, not its size); the records are merged by rank 0; a killed agent or a failing
-rank ends the job with a message naming the node, and nothing is left running.
+labs' solutions train in one job (on the 'tiny' model: the job's mechanics are under test, not its
+size); the records are merged by rank 0; a killed agent or a failing rank ends the job with a message
+naming the node, and nothing is left running.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _agents(job: Path, out: Path, *extra: str, steps: int = 3, nproc: int = 2) -
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
              "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", f"test-{port}", "job.py", "--out", str(out / "results"), "--steps", str(steps), "--preset", "tiny", *extra],
+             "--rdzv-id", f"test-{port}", "job.py", "--out", str(out / "results"), "--steps", str(steps),
+             "--preset", "tiny", *extra],
             cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
