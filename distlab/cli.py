@@ -13,11 +13,14 @@ import argparse
 import importlib
 import sys
 
+from distlab.lazyimports import defer_rfc3987_syntax
+
 # In the order `--help` lists them: the learner's commands first, the maintainer's last.
 SUBCOMMANDS = ("distlab.tour", "distlab.doctor", "distlab.grading.cli", "distlab.export", "distlab.labs")
 
 
 def main(argv: list[str] | None = None) -> int:
+    defer_rfc3987_syntax()     # before anything imports nbformat: the tour and the grader read notebooks
     ap = argparse.ArgumentParser(prog="distlab", description="A measured course in distributed training.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     runners = {}

@@ -13,6 +13,10 @@ It also starts a notebook's kernel again when it exits before it answers (at mos
 `KERNEL_STARTS` tries), with what the kernel wrote on stderr: nbval sends that to
 /dev/null and fails every cell of the notebook. On a busy machine a kernel can lose a
 port it was given to another process between the choice and its bind.
+
+Loaded before nbval (`-p distlab`, as the project's own test suite does), it also spares
+every pytest process the ~3 s that `import nbformat` spends on a grammar no notebook
+uses (`distlab.lazyimports`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,11 @@ import tempfile
 import warnings
 from typing import Any
 
+from distlab.lazyimports import defer_rfc3987_syntax
+
 KERNEL_STARTS = 3
+
+defer_rfc3987_syntax()
 
 
 def pytest_configure(config: Any) -> None:

@@ -7,7 +7,8 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
   at a time, reports written, as an instructor would;
 - the attacks (one per route) and the broken files on its 2-rank case, as a second class run;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
-  covers what several cases add, such as a hang or a stub skipping a task's later cases). Unfilled labs:
+  covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
+  whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8). Unfilled labs:
   the class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
@@ -66,18 +67,23 @@ def _descendants() -> dict[int, str]:
     return out
 
 
+def _selected_labs(items) -> list[str]:
+    return sorted({item.callspec.params["lab_name"] for item in items
+                   if getattr(item, "originalname", "") == "test_solutions_get_full_marks"})
+
+
 @pytest.fixture(scope="session")
-def graded(tmp_path_factory):
+def graded(tmp_path_factory, request):
     # Without the device audit the rest of the suite runs under (conftest; the sandbox passes DISTLAB_*
     # through): these tests are about the grader, and the solutions' placement is audited where they run, in
     # their notebooks. Under it a lab-1 submission's ranks cost ~5x the CPU (a Python hook on every one of a
     # ring's many small ops).
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DISTLAB_DEVICE_AUDIT", "0")
-        return _grade_everything(tmp_path_factory)
+        return _grade_everything(tmp_path_factory, _selected_labs(request.session.items))
 
 
-def _grade_everything(tmp_path_factory):
+def _grade_everything(tmp_path_factory, labs):
     start = time.monotonic()
     folder = tmp_path_factory.mktemp("grading")
     # the sandbox when bwrap works here; else None: the class and the labs are graded without one (the attacks
@@ -110,7 +116,7 @@ def _grade_everything(tmp_path_factory):
 
     # longest first; the class runs grade two submissions at a time themselves
     work = [("class", class_run)] + ([("attacks", attack_run)] if BWRAP else [])
-    work += [(name, lambda name=name: lab_run(name)) for name in LABS]
+    work += [(name, lambda name=name: lab_run(name)) for name in labs]
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {key: pool.submit(fn) for key, fn in work}
@@ -129,7 +135,7 @@ def _grade_everything(tmp_path_factory):
               f"longest {max(r.seconds for r in got):.0f} s")
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])), folder=folder,
-        labs={name: done[name] for name in LABS},
+        labs={name: done[name] for name in labs},
         leftover=leftover)
 
 
