@@ -64,3 +64,20 @@ def test_ci_runs_exactly_the_readme_commands():
     assert "distlab tour" in setup and "pip install torch==2.13.0" in setup
     assert "pytest" in tests
     assert setup in ci and tests in ci
+
+
+def test_suite_time_selects_the_chapters_asked_for():
+    """tools/suite_time.py --chapters 0-6 leaves out chapters 7-8 (files and labs) and the cluster path."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("suite_time", ROOT / "tools" / "suite_time.py")
+    suite_time = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite_time)
+    assert suite_time.selection(None) == []
+    args = suite_time.selection(6)
+    ignored = {args[i + 1] for i, a in enumerate(args) if a == "--ignore"}
+    later = [*ROOT.glob("notebooks/0[78]_*.ipynb"), *ROOT.glob("solutions/0[78]_*.ipynb"),
+             *ROOT.glob("tests/test_ch0[78]_*.py")]
+    later = {str(p.relative_to(ROOT)) for p in later}
+    assert later and ignored == later | {"tests/test_cluster.py"}
+    assert args[args.index("-k") + 1] == "not 07_tensor_parallel and not 08_pipeline"
+    assert "-k" not in suite_time.selection(8) and suite_time.selection(8) == ["--ignore", "tests/test_cluster.py"]
