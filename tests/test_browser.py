@@ -1,8 +1,9 @@
 """A learner's first session, in a real browser: JupyterLab + headless Chromium (Debian's), driven by selenium.
 
-It opens notebook 00 and runs every cell (ranks launch from the browser's kernel), then a
-notebook with the ZeRO memory calculator, and asserts that the cells ran without an error and
+It opens notebook 00 with the ZeRO memory calculator added as its last cell, runs every cell
+(ranks launch from the browser's kernel), and asserts that the cells ran without an error and
 that the calculator renders as a widget (sliders and its table), not as `VBox(children=...)`.
+One notebook, one kernel: a second notebook would only start another kernel and import torch again.
 
 Needs `chromium` and `chromedriver` (Debian packages `chromium`, `chromium-driver`; .ci/run
 installs them) and selenium (a dev dependency). Without them the test is skipped, unless
@@ -25,6 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
 REQUIRED = os.environ.get("DISTLAB_REQUIRE_BROWSER") == "1"
+NOTEBOOK = "00_launching.ipynb"
 
 
 def _missing() -> str:
@@ -51,13 +53,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on a private folder holding notebook 00 and a calculator notebook."""
+    """A JupyterLab server on a private folder holding notebook 00, the calculator added as its last cell."""
     folder = tmp_path_factory.mktemp("lab")
-    shutil.copy(ROOT / "notebooks" / "00_launching.ipynb", folder / "00_launching.ipynb")
-    calc = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "from distlab.widgets import memory_calculator\nmemory_calculator()")],
-        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    nbformat.write(calc, folder / "calculator.ipynb")
+    nb = nbformat.read(ROOT / "notebooks" / "00_launching.ipynb", as_version=4)
+    for cell in nb.cells:   # as a learner opens it after "Clear All Outputs": what shows, this run made
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nb.cells.append(nbformat.v4.new_code_cell("from distlab.widgets import memory_calculator\nmemory_calculator()"))
+    nbformat.write(nb, folder / NOTEBOOK)
     port, token = _free_port(), uuid.uuid4().hex
     env = dict(os.environ, DISTLAB_QUICK="1", JUPYTER_CONFIG_DIR=str(folder / ".jupyter"))
     env.pop("PYTEST_CURRENT_TEST", None)
@@ -152,24 +155,33 @@ def _text(outputs: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def test_notebook_00_runs_in_a_browser(lab, browser):
+@pytest.fixture(scope="module")
+def ran(lab, browser) -> list[dict]:
+    """Notebook 00 (and the calculator), run once in the browser: every output of it."""
     base, token = lab
-    _open_and_run_all(browser, base, token, "00_launching.ipynb")
-    outputs = _outputs(browser)
-    text = _text(outputs)
+    _open_and_run_all(browser, base, token, NOTEBOOK)
+    return _outputs(browser)
+
+
+def test_notebook_00_runs_in_a_browser(ran):
+    text = _text(ran)
     assert "[rank 0]" in text, text[-3000:]            # ranks launched from the browser's kernel replied
-    errors = [o for o in outputs if o.get("output_type") == "error"]
+    errors = [o for o in ran if o.get("output_type") == "error"]
     assert not errors, [(e.get("ename"), e.get("evalue")) for e in errors]
 
 
-def test_calculator_renders_as_a_widget(lab, browser):
-    base, token = lab
-    _open_and_run_all(browser, base, token, "calculator.ipynb", timeout=180)
+def test_calculator_renders_as_a_widget(ran, browser):
+    assert any("application/vnd.jupyter.widget-view+json" in (o.get("data") or {}) for o in ran), \
+        "the calculator cell showed no widget output"
+    # Its cell is the last: bring it into view (JupyterLab renders what is out of view lazily).
+    browser.execute_script(
+        "const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = nb.widgets.length - 1;"
+        "return nb.scrollToItem(nb.widgets.length - 1);")
     from selenium.webdriver.support.ui import WebDriverWait
     WebDriverWait(browser, 60).until(lambda d: d.find_elements("css selector", ".widget-slider"))
     sliders = browser.find_elements("css selector", ".widget-slider")
     assert len(sliders) >= 3
-    # The open notebook's own panel (notebook 00 stays open in another tab).
-    text = browser.execute_script("return window.jupyterapp.shell.currentWidget.content.node.innerText;")
+    text = browser.execute_script("const nb = window.jupyterapp.shell.currentWidget.content;"
+                                  "return nb.widgets[nb.widgets.length - 1].node.innerText;")
     assert "VBox(children" not in text
     assert "per device (GB)" in text and "ZeRO-3 / FSDP" in text
