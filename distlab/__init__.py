@@ -3,11 +3,11 @@
     import distlab
     distlab.launch(fn, 4)      # run fn on 4 ranks (NCCL with GPUs, gloo on CPU)
 """
-from distlab.launch import LaunchError, LaunchStalled, LaunchTimeout, RankFailed, launch
-from distlab.mode import pick, quick
-from distlab.runtime import backend, device, local_rank, mesh, print0, rank, run_under_torchrun, world_size
-from distlab.results import record
-from distlab.stepwise import add_to_class
+from distlab.engine.launch import LaunchError, LaunchStalled, LaunchTimeout, RankFailed, launch
+from distlab.engine.quickmode import pick, quick
+from distlab.engine.runtime import backend, device, local_rank, mesh, print0, rank, run_under_torchrun, world_size
+from distlab.meters.records import record
+from distlab.course.stepwise import add_to_class
 
 __all__ = [
     "LaunchError", "LaunchStalled", "LaunchTimeout", "RankFailed", "launch",

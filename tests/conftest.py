@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("DISTLAB_QUICK", "1")
 # Every launch in the suite (notebooks under nbval included: their kernels inherit this) runs under
-# the device audit: on these CPU ranks it enforces what NCCL would (see distlab.audit).
+# the device audit: on these CPU ranks it enforces what NCCL would (see distlab.engine.audit).
 os.environ.setdefault("DISTLAB_DEVICE_AUDIT", "1")
 
 

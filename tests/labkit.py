@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 
 from distlab.checks import lab_module
-from distlab.labs import BEGIN, END, strip_answers
+from distlab.checks.labs import BEGIN, END, strip_answers
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.audit import lint_notebook, lint_source
-from distlab.models import build_model, lm_loss, synthetic_batch
+from distlab.engine.audit import lint_notebook, lint_source
+from distlab.course.models import build_model, lm_loss, synthetic_batch
 
 
 def _placed_training_step():

@@ -59,7 +59,7 @@ def lab(tmp_path_factory):
     for cell in nb.cells:   # as a learner opens it after "Clear All Outputs": what shows, this run made
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    nb.cells.append(nbformat.v4.new_code_cell("from distlab.widgets import memory_calculator\nmemory_calculator()"))
+    nb.cells.append(nbformat.v4.new_code_cell("from distlab.viz.widgets import memory_calculator\nmemory_calculator()"))
     nbformat.write(nb, folder / NOTEBOOK)
     port, token = _free_port(), uuid.uuid4().hex
     env = dict(os.environ, DISTLAB_QUICK="1", JUPYTER_CONFIG_DIR=str(folder / ".jupyter"))
@@ -81,7 +81,7 @@ def lab(tmp_path_factory):
                 time.sleep(0.5)
         yield f"http://127.0.0.1:{port}", token
     finally:
-        from distlab.procs import kill_tree
+        from distlab.engine.procs import kill_tree
         kill_tree([server.pid], grace_s=10)   # the server, its kernels and their ranks
         server.wait()
 

@@ -7,9 +7,9 @@ import importlib
 import pytest
 import torch
 
-from distlab.ddp_support import Bucket
-from distlab.dp_measure import backend_for, global_batch, sweep_world_sizes, where
-from distlab.dp_models import full_batch_gradient, make_model, trainable
+from distlab.course.data_parallel.ddp import Bucket
+from distlab.course.data_parallel.measure import backend_for, global_batch, sweep_world_sizes, where
+from distlab.course.data_parallel.reference import full_batch_gradient, make_model, trainable
 
 
 @pytest.mark.parametrize("gpus, n_max, want", [
@@ -19,7 +19,7 @@ from distlab.dp_models import full_batch_gradient, make_model, trainable
     (2, 2, [1, 2]), (3, 3, [1, 2, 3]),
 ])
 def test_a_sweep_stays_on_one_backend(monkeypatch, gpus, n_max, want):
-    monkeypatch.setattr(importlib.import_module("distlab.launch"), "gpu_count", lambda: gpus)
+    monkeypatch.setattr(importlib.import_module("distlab.engine.launch"), "gpu_count", lambda: gpus)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     sizes = sweep_world_sizes(n_max)
     assert sizes == want

@@ -1,8 +1,8 @@
 """Chapter 3's measurement records the recipe's bytes whether bf16 is computed natively or in fp32.
 
 On a CPU without native bf16 the course model computes in fp32 while storing bf16
-(`distlab.precision.compute_dtype`). The lesson is the bytes: this runs the chapter's
-measurement (`distlab.dp_measure.measure` + `record_strategy`, as solutions/03_zero1 does,
+(`distlab.engine.precision.compute_dtype`). The lesson is the bytes: this runs the chapter's
+measurement (`distlab.course.data_parallel.measure.measure` + `record_strategy`, as solutions/03_zero1 does,
 at the 'tiny' size) with the detection forced off and on, and asserts that the recorded
 model-state and traffic bytes are the same, and the recipe's.
 """
@@ -15,7 +15,7 @@ import cloudpickle
 import torch
 
 import distlab
-from distlab.results import load_records
+from distlab.meters.records import load_records
 from labkit import answers
 
 # The rank functions below travel by value: by reference, every rank would import this test module (and
@@ -26,9 +26,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def _build_with(ShardedOptimizer):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from distlab.ddp_support import TorchDDP
-    from distlab.dp_measure import Strategy
-    from distlab.precision import MixedPrecisionAdam
+    from distlab.course.data_parallel.ddp import TorchDDP
+    from distlab.course.data_parallel.measure import Strategy
+    from distlab.engine.precision import MixedPrecisionAdam
 
     def build(name, model):   # the notebook's build(), for the strategies it records
         if name == "zero1":
@@ -42,8 +42,8 @@ def _measure_forced(native: str, build, names: tuple[str, ...]) -> list[dict]:
     """On every rank: the chapter's measurement of each strategy with DISTLAB_NATIVE_BF16 forced; and what it
     computed in (one launch for both strategies)."""
     os.environ["DISTLAB_NATIVE_BF16"] = native
-    from distlab.dp_measure import measure
-    from distlab.precision import compute_dtype
+    from distlab.course.data_parallel.measure import measure
+    from distlab.engine.precision import compute_dtype
     outs = []
     for name in names:
         out = measure(build, name, preset="tiny", dtype=torch.bfloat16, batch_size=4, steps=3)
@@ -53,8 +53,8 @@ def _measure_forced(native: str, build, names: tuple[str, ...]) -> list[dict]:
 
 
 def test_model_state_and_traffic_bytes_do_not_depend_on_native_bf16(tmp_path, monkeypatch, no_orphans):
-    from distlab.dp_measure import record_strategy
-    from distlab.models import build_model, num_params
+    from distlab.course.data_parallel.measure import record_strategy
+    from distlab.course.models import build_model, num_params
     from distlab.theory import comm_bytes_per_rank, zero_memory_per_device
     build = _build_with(answers("03_zero1").ShardedOptimizer)
     psi, n = num_params(build_model("tiny")), 2

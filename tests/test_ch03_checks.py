@@ -154,7 +154,7 @@ def test_the_lab_holds_the_prelude_one_line_checks_and_its_expected_time():
     import nbformat
 
     from distlab.checks.ch03 import PRELUDE
-    from distlab.labs import is_check_cell
+    from distlab.checks.labs import is_check_cell
     from labkit import ROOT
     nb = nbformat.read(ROOT / "labs" / f"{LAB}.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]

@@ -9,8 +9,8 @@ import torch
 
 import distlab
 from distlab.meters import model_state, track_comm
-from distlab.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch
-from distlab.precision import MixedPrecisionAdam
+from distlab.course.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch
+from distlab.engine.precision import MixedPrecisionAdam
 from distlab.theory import comm_bytes_per_rank
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from distlab.buckets import GradBucket
+from distlab.course.zero.buckets import GradBucket
 from distlab.checks.ch04 import TASKS
 from labkit import answer_sources, answers, run
 

@@ -11,8 +11,8 @@ import torch
 
 import distlab
 from distlab.meters import model_state, track_comm, track_memory
-from distlab.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch
-from distlab.precision import MixedPrecisionAdam
+from distlab.course.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch
+from distlab.engine.precision import MixedPrecisionAdam
 from distlab.theory import comm_bytes_per_rank
 
 
@@ -20,7 +20,7 @@ def _fsdp_step(track_mem: bool):
     from torch.distributed.fsdp import fully_shard
     preset = "small" if track_mem else "tiny"
     model = build_model(preset).to(torch.bfloat16)
-    mesh = distlab.mesh()   # on the rank's device type (required: see distlab.runtime.mesh)
+    mesh = distlab.mesh()   # on the rank's device type (required: see distlab.engine.runtime.mesh)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
@@ -64,7 +64,7 @@ def _zero2_bytes(native: str):
     # '0' = fp32 arithmetic on bf16 weights (CPUs without native bf16), '1' = bf16 arithmetic.
     import os
     os.environ["DISTLAB_NATIVE_BF16"] = native
-    from distlab.precision import compute_dtype
+    from distlab.engine.precision import compute_dtype
     state, comm = _fsdp_step(False)
     return compute_dtype(torch.bfloat16), state, comm
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from distlab.checks.ch05 import TASKS
-from distlab.models import build_model
+from distlab.course.models import build_model
 from distlab.theory import overlap
 from distlab.theory.hardware import A100, H100
-from distlab.units import Unit, block_units, direct_params, qualified_names, whole_model_unit
+from distlab.course.zero.units import Unit, block_units, direct_params, qualified_names, whole_model_unit
 from labkit import answer_sources, answers, run
 
 LAB = "05_zero3"

@@ -11,7 +11,7 @@ import torch
 import distlab
 from distlab.checks.ch06 import traffic
 from distlab.meters import model_state, track_comm
-from distlab.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch
+from distlab.course.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch
 
 
 def _fsdp_steps(reshard: bool, steps: int = 3):

@@ -245,7 +245,7 @@ def _torch_tp_bytes() -> dict:
 
     import distlab
     from distlab.meters import track_comm
-    from distlab.tp import TP_PRESETS, build_stack, parallelize_blocks
+    from distlab.course.tensor_parallel.model import TP_PRESETS, build_stack, parallelize_blocks
     cfg, r, t = TP_PRESETS["tp-tiny"], distlab.rank(), distlab.world_size()
     out = {}
     for sp in (False, True):
@@ -263,8 +263,8 @@ def _torch_tp_bytes() -> dict:
 
 def test_torch_tp_and_sp_bytes_equal_the_theory(no_orphans):
     import distlab
-    from distlab.theory import tensor as th
-    from distlab.tp import TP_PRESETS
+    from distlab.theory import tensor_parallel as th
+    from distlab.course.tensor_parallel.model import TP_PRESETS
     cfg, t = TP_PRESETS["tp-tiny"], 2
     tokens, L, h = 4 * cfg.seq_len, cfg.n_layers, cfg.d_model
     for out in distlab.launch(_torch_tp_bytes, t):

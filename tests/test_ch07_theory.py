@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.theory import tensor as th
+from distlab.theory import tensor_parallel as th
 
 
 def test_the_papers_activation_coefficients():
@@ -67,7 +67,7 @@ def test_block_flops_and_link_seconds():
 def test_activation_model_is_autograds_saved_tensors_to_the_byte(dropout, recompute):
     """One process, fp32 (e = 4), 1-byte dropout masks: bytes alive after forward = the model exactly."""
     from distlab.meters import track_memory
-    from distlab.tp import TPConfig, build_stack
+    from distlab.course.tensor_parallel.model import TPConfig, build_stack
     for s, b in ((32, 2), (64, 1)):
         cfg = TPConfig(seq_len=s, d_model=32, n_heads=4, n_layers=2, dropout=dropout, recompute=recompute)
         model = build_stack(cfg, device="cpu")

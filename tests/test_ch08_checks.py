@@ -18,12 +18,12 @@ def one_f_one_b_step(stage, x, y, m, micro_batch):
 # The last rank computes the whole model itself: right logits, no pipeline.
 LOCAL_FORWARD = '''
 def pipeline_forward(stage, x, m, micro_batch):
-    from distlab.models import build_model
+    from distlab.course.models import build_model
     r, p = dist.get_rank(), dist.get_world_size()
     if r != p - 1:
         return None
     model = build_model("tiny", seed=0, n_layers=4)
-    from distlab.models import synthetic_batch
+    from distlab.course.models import synthetic_batch
     xs, _ = synthetic_batch(0, m * micro_batch, model.config)
     return model(xs)
 '''
@@ -44,7 +44,7 @@ def p2p(sends=(), recvs=()):
 '''
 # "Offload" that keeps the plain optimizer on the device.
 NOT_OFFLOADED = '''
-from distlab.precision import MixedPrecisionAdam
+from distlab.engine.precision import MixedPrecisionAdam
 class OffloadAdam(MixedPrecisionAdam):
     pass
 '''

@@ -6,7 +6,7 @@ import torch
 
 import distlab
 from distlab.checks import CheckFailed, check, compare, expect
-from distlab.results import load_records, record
+from distlab.meters.records import load_records, record
 
 
 def test_compare_exact_close_and_wrong():

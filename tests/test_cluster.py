@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab.export import export, module_source, parse_labs
+from distlab.apps.export import export, module_source, parse_labs
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ("02_ddp", "05_zero3")

@@ -51,7 +51,7 @@ def _ddp_step():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distlab.meters import track_comm
-    from distlab.models import build_model, lm_loss, num_params, split_batch, synthetic_batch
+    from distlab.course.models import build_model, lm_loss, num_params, split_batch, synthetic_batch
     model = build_model("tiny")
     ddp = DDP(model)
     x, y = split_batch(synthetic_batch(0, 8 * distlab.world_size(), model.config), distlab.rank(),
@@ -73,7 +73,7 @@ def _fsdp_step():
     from torch.distributed.fsdp import fully_shard
 
     from distlab.meters import model_state
-    from distlab.models import build_model, lm_loss, synthetic_batch
+    from distlab.course.models import build_model, lm_loss, synthetic_batch
     model = build_model("tiny")
     for block in model.blocks:
         fully_shard(block, mesh=distlab.mesh())
@@ -114,7 +114,7 @@ def test_timelines_see_device_time(no_orphans):
 
 
 def test_bf16_computes_natively_on_the_gpu():
-    from distlab.precision import compute_dtype, native_bf16
+    from distlab.engine.precision import compute_dtype, native_bf16
     assert native_bf16("cuda") and compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
 
 

@@ -330,7 +330,7 @@ def test_a_bwrap_that_cannot_start_a_sandbox_stops_the_run_with_what_to_do(monke
 
 
 def test_the_cli_says_what_is_missing_and_grades_nothing(tmp_path, capsys):
-    from distlab.cli import main
+    from distlab.apps.cli import main
     (tmp_path / "empty").mkdir()
     for argv, words in ((["01_collectives"], "give at least one submission"),
                         (["01_collectives", str(tmp_path / "nope")], f"no such file or folder: {tmp_path / 'nope'}"),

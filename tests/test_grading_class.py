@@ -294,7 +294,7 @@ def test_solutions_get_full_marks(graded, lab_name):
 
 
 def test_self_check_prints_progress_and_a_one_line_summary(tmp_path, capsys, no_orphans):
-    from distlab.cli import main
+    from distlab.apps.cli import main
     nb = tmp_path / "mine.ipynb"
     mk.write({"mine": mk.submission(mk.shipped("01_collectives"), mk.solution_answers("01_collectives"))}, tmp_path)
     rc = main(["grade", "--self", "--no-sandbox", "01_collectives", str(nb), "--only", "all_gather, 2 ranks"])

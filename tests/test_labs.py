@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab.labs import CHECK_TAG, build_labs, expected_lines, is_check_cell, make_lab, strip_answers
+from distlab.checks.labs import CHECK_TAG, build_labs, expected_lines, is_check_cell, make_lab, strip_answers
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -121,7 +121,7 @@ def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path, cap
 
 def test_a_kernel_that_dies_at_start_is_started_again_with_its_words():
     """nbval's kernel start, wrapped by distlab's plugin: a kernel that exits before replying is retried."""
-    from distlab.nbval_expected import retrying
+    from distlab.apps.nbval_plugin import retrying
     calls = []
 
     def start(**kwargs):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.launch import resolve_backend
+from distlab.engine.launch import resolve_backend
 
 
 def _rank_times_ten(offset):
@@ -203,7 +203,7 @@ def test_relaunch_is_fast_enough_to_feel_instant(no_orphans):
 def test_function_touching_a_config_attribute_and_dist_travels(no_orphans):
     # cloudpickle alone fails here: `model.config` + `dist` drags in torch.distributed.config,
     # a module of a ModuleType subclass; the launcher ships such modules by name.
-    from distlab.models import build_model
+    from distlab.course.models import build_model
 
     def f():
         model = build_model("tiny")

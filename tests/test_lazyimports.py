@@ -1,9 +1,9 @@
-"""A deferred module loads on its first use and then behaves as itself (`distlab.lazyimports`)."""
+"""A deferred module loads on its first use and then behaves as itself (`distlab.engine.lazyimports`)."""
 import sys
 
 import pytest
 
-from distlab.lazyimports import _Deferred, defer
+from distlab.engine.lazyimports import _Deferred, defer
 
 GRAMMAR = '''
 import pathlib

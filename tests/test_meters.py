@@ -8,7 +8,7 @@ import torch.distributed as dist
 import distlab
 from distlab import theory
 from distlab.meters import Timeline, model_state, track_comm, track_memory
-from distlab.models import build_model, lm_loss, num_params, split_batch, synthetic_batch
+from distlab.course.models import build_model, lm_loss, num_params, split_batch, synthetic_batch
 
 
 def test_memory_exact_on_known_allocations():
@@ -77,7 +77,7 @@ def test_comm_counts_ddp_reducer_bytes(n, no_orphans):
 
 
 def _every_collective():
-    from distlab.collectives import all_gather_tensor, reduce_scatter_tensor
+    from distlab.engine.collectives import all_gather_tensor, reduce_scatter_tensor
     n, r, dev = distlab.world_size(), distlab.rank(), distlab.device()
     t = torch.ones(12, device=dev)
     with track_comm() as comm:
@@ -123,7 +123,7 @@ def test_timeline_records_compute_and_async_comm(no_orphans):
     spans = [s for per_rank in distlab.launch(_timeline_job, 2) for s in per_rank]
     assert {(s.rank, s.kind) for s in spans} == {(0, "compute"), (0, "comm"), (1, "compute"), (1, "comm")}
     assert all(s.end >= s.start for s in spans)
-    from distlab.plots import timeline
+    from distlab.viz.plots import timeline
     assert timeline(spans).axes[0].get_xlabel() == "time (ms)"
 
 
@@ -159,7 +159,7 @@ def test_memory_tracks_fsdp2_dtensor_params(no_orphans):
 
 
 def _untimed_gloo_work():
-    from distlab.collectives import all_gather_tensor
+    from distlab.engine.collectives import all_gather_tensor
     tl = Timeline()
     inp = torch.ones(10, device=distlab.device())
     work = tl.track("all_gather", all_gather_tensor(torch.empty(20, device=distlab.device()), inp, async_op=True))
@@ -173,7 +173,7 @@ def test_timeline_tracks_works_without_a_future(no_orphans):
 
 
 def _reduce_scatter_both_ways():
-    from distlab.collectives import reduce_scatter_tensor
+    from distlab.engine.collectives import reduce_scatter_tensor
     n, r = distlab.world_size(), distlab.rank()
     inp = torch.arange(6 * n, dtype=torch.float32, device=distlab.device()).view(2 * n, 3) * (r + 1)
     out = torch.empty(2, 3, device=distlab.device())

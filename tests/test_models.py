@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from distlab.models import (PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch,
+from distlab.course.models import (PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch,
                             train_reference)
 
 

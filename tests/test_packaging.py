@@ -36,7 +36,7 @@ def test_torch_floor_is_2_10():
 # only add an interpreter importing torch again. The README's commands run as processes in .ci/run.
 
 def test_doctor_reports_and_runs(capsys, no_orphans):
-    from distlab.cli import main
+    from distlab.apps.cli import main
     rc = main(["doctor", "--run"])
     out = capsys.readouterr()
     assert rc == 0, out.out + out.err
@@ -46,7 +46,7 @@ def test_doctor_reports_and_runs(capsys, no_orphans):
 
 
 def test_labs_check_cli_agrees_with_the_tree(capsys):
-    from distlab.cli import main
+    from distlab.apps.cli import main
     rc = main(["build-labs", "--check", "--root", str(ROOT)])
     out = capsys.readouterr()
     assert rc == 0, out.out + out.err

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from distlab import theory
-from distlab.models import PRESETS, build_model, num_params
-from distlab.planner import (RECIPES, Cluster, Layout, ModelSpec, Workload, candidates, local_params, markdown,
+from distlab.course.models import PRESETS, build_model, num_params
+from distlab.course.planner import (RECIPES, Cluster, Layout, ModelSpec, Workload, candidates, local_params, markdown,
                              plan, recipe)
 from distlab.theory.pipeline import bubble_fraction, memory_3d
 
@@ -99,6 +99,6 @@ def test_invalid_layouts_say_why():
 
 
 def test_widget_first_drawing():
-    from distlab.planner import planner
+    from distlab.course.planner import planner
     box = planner(7e9, 8, global_batch=64)
     assert box.children

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from distlab.meters import model_state
-from distlab.models import build_model, lm_loss, num_params, synthetic_batch
-from distlab.precision import MixedPrecisionAdam
+from distlab.course.models import build_model, lm_loss, num_params, synthetic_batch
+from distlab.engine.precision import MixedPrecisionAdam
 from distlab.theory import MIXED_ADAM
 
 

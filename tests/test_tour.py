@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from distlab.tour import sweep_sizes
+from distlab.apps.tour import sweep_sizes
 
 
 def test_sweep_sizes_cover_the_issue_ranges():
@@ -14,7 +14,7 @@ def test_sweep_sizes_cover_the_issue_ranges():
 
 def test_tour_quick_without_notebooks(tmp_path, capsys, no_orphans):
     # In this process (the launcher's timings still come from a fresh interpreter, as in `distlab tour`).
-    from distlab.cli import main
+    from distlab.apps.cli import main
     rc = main(["tour", "--quick", "--skip-notebooks", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
@@ -40,7 +40,7 @@ def test_tour_quick_without_notebooks(tmp_path, capsys, no_orphans):
 
 
 def test_memory_vs_n_figure_needs_several_world_sizes():
-    from distlab.tour import _memory_vs_n
+    from distlab.apps.tour import _memory_vs_n
     rec = lambda n: {"name": "zero1", "world_size": n,  # noqa: E731
                      "model_state_bytes": {"params": 4e6, "optimizer_state": 12e6 / n},
                      "predicted_model_state_bytes": {"params": 4e6, "optimizer_state": 12e6 / n}}
@@ -52,7 +52,7 @@ def test_memory_vs_n_figure_needs_several_world_sizes():
 
 
 def test_figures_accept_a_prediction_given_as_a_total(tmp_path):
-    from distlab.tour import _figures
+    from distlab.apps.tour import _figures
     rec = {"name": "ddp", "world_size": 2, "model_state_bytes": {"params": 4, "grads": 4, "optimizer_state": 8},
            "predicted_model_state_bytes": 16, "samples_per_s": 10.0}
     made = _figures({"machine": {"backend": "gloo"}, "strategies": [rec]}, tmp_path)
@@ -61,7 +61,7 @@ def test_figures_accept_a_prediction_given_as_a_total(tmp_path):
 
 
 def test_report_pairs_measured_with_theory_and_quotes_races():
-    from distlab.report import build
+    from distlab.viz.report import build
     summary = {"machine": {"device_count": 1, "device_kind": "cpu", "backend": "gloo", "torch_version": "x",
                            "cpu_count": 2, "cpu_capability": "AVX2", "cpu_native_bf16": False, "bf16_over_fp32": 50.0},
                "mode": "quick",
@@ -87,7 +87,7 @@ def test_report_pairs_measured_with_theory_and_quotes_races():
 
 
 def test_report_names_chapter_sections_and_orders_them_by_chapter():
-    from distlab.report import build
+    from distlab.viz.report import build
     summary = {"machine": {"device_count": 1, "device_kind": "cpu", "backend": "gloo", "torch_version": "x",
                            "cpu_count": 2}, "mode": "quick",
                "pp_gpipe": [{"name": "p=2", "world_size": 2, "bubble": 0.3, "predicted_bubble": 0.2}],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distlab.theory import zero_memory_per_device
-from distlab.widgets import GB, largest_models, markdown_table, memory_calculator, zero_table
+from distlab.viz.widgets import GB, largest_models, markdown_table, memory_calculator, zero_table
 
 
 def test_defaults_reproduce_the_zero_paper_example():
@@ -98,8 +98,8 @@ def test_a_run_that_cannot_render_widgets_shows_the_table_not_vbox():
 
 
 def test_activations_and_a_tp_degree():
-    from distlab.theory.tensor import activation_bytes_per_layer
-    from distlab.widgets import Activations, tp_table
+    from distlab.theory.tensor_parallel import activation_bytes_per_layer
+    from distlab.viz.widgets import Activations, tp_table
     act = Activations()                                  # S 2048, b 1, h 4096, 36 layers, 32 heads
     per_layer = 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
     assert act.bytes_per_device(1) == pytest.approx(36 * per_layer)
@@ -118,7 +118,7 @@ def test_activations_and_a_tp_degree():
 def test_moving_the_tp_slider_redraws_without_error():
     box = _calculator()
     box.controls["tp"].value = 8
-    from distlab.widgets import Activations
+    from distlab.viz.widgets import Activations
     rows, act, *_ = box.state()
     assert rows[0].world_size == 64 // 8 and rows[0].num_params == pytest.approx(7.5e9 / 8)
     assert act == pytest.approx(Activations().bytes_per_device(8))

@@ -13,10 +13,11 @@ import argparse
 import importlib
 import sys
 
-from distlab.lazyimports import defer_rfc3987_syntax
+from distlab.engine.lazyimports import defer_rfc3987_syntax
 
 # In the order `--help` lists them: the learner's commands first, the maintainer's last.
-SUBCOMMANDS = ("distlab.tour", "distlab.doctor", "distlab.grading.cli", "distlab.export", "distlab.labs")
+SUBCOMMANDS = ("distlab.apps.tour", "distlab.apps.doctor", "distlab.grading.cli", "distlab.apps.export",
+               "distlab.apps.build_labs")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import distlab
 from distlab.meters import model_state, sync, track_comm, track_memory
-from distlab.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch, train_reference
+from distlab.course.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch, train_reference
 from distlab.theory import comm_bytes_per_rank
 
 

@@ -8,7 +8,7 @@ writes into `job/`:
 
 - `answers_05_zero3.py`: the lab's PRELUDE (its imports) and your answer cells, in order;
 - `job.py`: runs each chapter's training measurement with your classes on every rank
-  (`distlab.cluster.main`), on one node or many;
+  (`distlab.apps.cluster.main`), on one node or many;
 - `job.sbatch`: a Slurm template that starts one torchrun agent per node;
 - `README.md`: the commands, the environment variables, how to read the records.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import nbformat
 
-from distlab.labs import ANSWER_TAG, BEGIN, END
+from distlab.checks.labs import ANSWER_TAG, BEGIN, END
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def answer_cells(nb: nbformat.NotebookNode) -> list[str]:
@@ -67,11 +67,11 @@ import sys
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # before torch loads: c10d's C++ warnings, not ours
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import distlab.cluster  # noqa: E402
+import distlab.apps.cluster  # noqa: E402
 {imports}
 
 if __name__ == "__main__":
-    sys.exit(distlab.cluster.main({labs!r}, [{modules}]))
+    sys.exit(distlab.apps.cluster.main({labs!r}, [{modules}]))
 '''
 
 SBATCH = '''#!/bin/bash
@@ -123,7 +123,7 @@ def export(labs: list[tuple[str, Path | None]], out: Path) -> list[Path]:
 
     `labs`: (lab, notebook) pairs; notebook None means the shipped solution.
     """
-    from distlab.cluster import STRATEGIES
+    from distlab.apps.cluster import STRATEGIES
     files: dict[str, str] = {}
     for lab, notebook in labs:
         if lab not in STRATEGIES:

@@ -3,7 +3,7 @@ with the verdicts kept in their metadata.
 
 A lab shows no verdict before the learner works, so its graded check cells
 have no outputs; the solution's verdict lines sit in
-`metadata.distlab.expected` (see `distlab.labs.make_lab`). nbval compares a
+`metadata.distlab.expected` (see `distlab.checks.labs.make_lab`). nbval compares a
 cell only with its stored outputs, so before the cells run this plugin gives
 each such cell those lines as its stored output:
 
@@ -16,7 +16,7 @@ port it was given to another process between the choice and its bind.
 
 Loaded before nbval (`-p distlab`, as the project's own test suite does), it also spares
 every pytest process the ~3 s that `import nbformat` spends on a grammar no notebook
-uses (`distlab.lazyimports`).
+uses (`distlab.engine.lazyimports`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from typing import Any
 
-from distlab.lazyimports import defer_rfc3987_syntax
+from distlab.engine.lazyimports import defer_rfc3987_syntax
 
 KERNEL_STARTS = 3
 
@@ -66,7 +66,7 @@ def retrying(start: Any, tries: int = KERNEL_STARTS) -> Any:
 def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
     import nbformat
 
-    from distlab.labs import expected_lines, is_check_cell
+    from distlab.checks.labs import expected_lines, is_check_cell
     for item in items:
         cell = getattr(item, "cell", None)
         if type(item).__name__ != "IPyNbCell" or cell is None or not hasattr(cell, "get"):

@@ -42,7 +42,7 @@ TOUR_NOTEBOOKS = (
 
 def repo_root() -> Path | None:
     """The checkout holding notebooks/ (an editable install), or None."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     return root if (root / "notebooks").is_dir() else None
 
 
@@ -65,7 +65,7 @@ def _launcher_record(world_size: int, repeats: int) -> dict[str, Any]:
 def _code_cells(path: Path) -> int:
     import nbformat
 
-    from distlab.labs import is_check_cell
+    from distlab.checks.labs import is_check_cell
     nb = nbformat.read(path, as_version=4)
     return sum(1 for c in nb.cells if c.cell_type == "code" and not is_check_cell(c))
 
@@ -76,7 +76,7 @@ def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int, on_ce
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
-    from distlab.labs import is_check_cell
+    from distlab.checks.labs import is_check_cell
     env = {"DISTLAB_RESULTS": str(out.resolve()), "DISTLAB_QUICK": "1" if quick else "0",
            "DISTLAB_WORLD_SIZE": str(world_size), "MPLBACKEND": "Agg"}
     saved = {k: os.environ.get(k) for k in env}
@@ -101,7 +101,7 @@ def _execute_notebook(path: Path, out: Path, quick: bool, world_size: int, on_ce
 
 
 def _figures(summary: dict[str, Any], out: Path) -> list[str]:
-    from distlab import plots
+    from distlab.viz import plots
     made = []
     if summary.get("collectives"):
         fig = plots.busbw_sweep(summary["collectives"], title=f"busbw vs size ({summary['machine']['backend']}, "
@@ -172,9 +172,9 @@ def _memory_vs_n(strategies: list[dict[str, Any]]) -> Any:
 def run_tour(out: Path, quick: bool = False, world_size: int | None = None, notebooks: bool = True) -> int:
     """Run the tour; return an exit status (1 if a notebook failed: the others still run)."""
     from distlab.bench.collectives import sweep
-    from distlab.doctor import machine
-    from distlab.precision import bf16_speed_ratio
-    from distlab.results import load_records
+    from distlab.engine.machine import machine
+    from distlab.engine.precision import bf16_speed_ratio
+    from distlab.meters.records import load_records
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.jsonl"):
@@ -216,7 +216,7 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
     summary["failures"] = failures
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     figures = _figures(summary, out)
-    from distlab.report import write
+    from distlab.viz.report import write
     md, page = write(summary, figures, out)
     print(f"wrote {out / 'summary.json'}, {md}, {page} and {len(figures)} figure(s)")
     for rec in summary["launcher"]:

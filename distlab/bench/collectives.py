@@ -21,11 +21,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from distlab import theory
-from distlab.collectives import all_gather_tensor, reduce_scatter_tensor
-from distlab.launch import launch
+from distlab import theory  # the package distlab.theory (not the facade)
+from distlab.engine.collectives import all_gather_tensor, reduce_scatter_tensor
+from distlab.engine.launch import launch
 from distlab.meters.timing import sync
-from distlab.runtime import device
+from distlab.engine.runtime import device
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 

@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 
-from distlab.launch import launch
+from distlab.engine.launch import launch
 
 
 def _noop() -> int:

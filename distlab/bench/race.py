@@ -71,7 +71,7 @@ class RaceResult:
     def record(self, name: str, baseline: str, **fields: object) -> dict:
         """Write the ratio of `name` to `baseline` as a `races` record for the tour's report
         (call it in the notebook, on the result a rank returned)."""
-        from distlab.results import record
+        from distlab.meters.records import record
         lo, hi = self.spread(name, baseline)
         return record("races", name=name, baseline=baseline, ratio=self.ratio(name, baseline), spread_lo=lo,
                       spread_hi=hi, repeats=self.repeats, budget_hit=self.budget_hit,
@@ -88,7 +88,7 @@ def timed(fn: Callable[[], Any], device: Any = None) -> float:
     sync(device)
     elapsed = time.perf_counter() - start
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from distlab.runtime import device as rank_device
+        from distlab.engine.runtime import device as rank_device
         t = torch.tensor([elapsed], dtype=torch.float64, device=device or rank_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         elapsed = t.item()

@@ -1,4 +1,6 @@
-"""Graded checks: one module per lab (`distlab.checks.ch01` ...); a check cell is one line.
+"""Graded checks: one module per lab (`distlab.checks.ch01` ...); a check cell is one line; labs (the lab notebooks' format).
+May import: engine, theory, meters, bench, course, and the top-level `distlab` (what the labs' code types).
+Chapter NN's checks are chNN; what they build on is the chapter's topic in `distlab.course` (README: the layers).
 
     from distlab.checks.ch01 import grade
     grade("reduce_scatter", ring_reduce_scatter)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import distlab
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import CheckFailed, compare
-from distlab.collectives import chunk_bounds
+from distlab.course.collectives import chunk_bounds
 from distlab.meters import track_comm
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.collectives import chunk_bounds, combine"""
+from distlab.course.collectives import chunk_bounds, combine"""
 
 # What this lab's ranks import. `distlab grade` preloads exactly these before it forks a submission's ranks;
 # without this line it preloads `distlab.launch`'s list for every lab, whose torch._dynamo, FSDP, DTensor,
 # pipelining and ZeroRedundancyOptimizer cost ~4 s of CPU per graded submission and no ring uses them.
-RANK_IMPORTS = ("torch", "torch.distributed", "cloudpickle", "distlab.runtime", "distlab.meters", "distlab.checks",
-                "distlab.collectives")
+RANK_IMPORTS = ("torch", "torch.distributed", "cloudpickle", "distlab.engine.runtime", "distlab.meters", "distlab.checks",
+                "distlab.course.collectives")
 
 WORLD_SIZES = (2, 3, 4)
 SIZES = (1, 7, 1001)          # no N in 2..4 divides 7 or 1001; 1 element leaves chunks empty
@@ -74,7 +74,7 @@ class RingTask(Task):
         r, n, dev = distlab.rank(), distlab.world_size(), distlab.device()
         results = {}
         for numel, dtype, op in _cases(self.kind):
-            distlab.runtime.progress(f"{numel} elements, {str(dtype).replace('torch.', '')}, {op}")
+            distlab.engine.runtime.progress(f"{numel} elements, {str(dtype).replace('torch.', '')}, {op}")
             x = data(r, numel, dtype).to(dev)
             if self.kind == "all_gather":
                 a, b = chunk_bounds(numel, n)[r]
@@ -85,7 +85,7 @@ class RingTask(Task):
                 mine = x.clone()
                 fn(mine, OPS[op])
             results[numel, str(dtype), op] = mine
-        distlab.runtime.progress(f"the metered call ({n * METERED} float32 elements)")
+        distlab.engine.runtime.progress(f"the metered call ({n * METERED} float32 elements)")
         x = torch.ones(n * METERED, device=dev)
         with track_comm() as meter:
             fn(x) if self.kind == "all_gather" else fn(x, dist.ReduceOp.SUM)

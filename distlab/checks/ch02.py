@@ -1,7 +1,7 @@
 """Lab 2's graded tasks: naive, overlapped and bucketed data parallelism.
 
 Each wrapper task trains the `"frozen"` and the `"tied"` model
-(`distlab.dp_models`) for four SGD steps on 2 and on 4 ranks and returns the
+(`distlab.course.data_parallel.reference`) for four SGD steps on 2 and on 4 ranks and returns the
 parameters and one step's collectives, counted by the comm meter in two
 windows: during `backward()` and during `finish_gradient_synchronization()`.
 On 2 ranks it first wraps a model built from a different seed on every rank.
@@ -28,9 +28,9 @@ import torch
 import distlab
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import CheckFailed, compare, expect
-from distlab.dp_models import make_model, sgd, train_single, trainable
+from distlab.course.data_parallel.reference import make_model, sgd, train_single, trainable
 from distlab.meters import track_comm
-from distlab.models import PRESETS, lm_loss, split_batch, synthetic_batch
+from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
 from distlab.theory import comm_bytes_per_rank
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import distlab
 from distlab import add_to_class
-from distlab.ddp_support import Bucket"""
+from distlab.course.data_parallel.ddp import Bucket"""
 
 STEPS, BATCH = 4, 8            # BATCH splits evenly over 2 and 4 ranks
 BUCKET_MB = 0.02               # several buckets even on the 34k-parameter model
@@ -78,17 +78,17 @@ class WrapperTask(Task):
         r, n = distlab.rank(), distlab.world_size()
         out: dict = {}
         if case.args.get("broadcast"):
-            distlab.runtime.progress(f"{self.cls}({n} ranks): the broadcast at construction")
+            distlab.engine.runtime.progress(f"{self.cls}({n} ranks): the broadcast at construction")
             start = make_model("plain", seed=SEED_OFFSET + r)     # every rank starts different ...
             Wrapper(start, **self.kwargs)                          # ... until the broadcast
             out["broadcast"] = _named(start)
         for variant in ("frozen", "tied"):
-            distlab.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights: wrapping the model")
+            distlab.engine.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights: wrapping the model")
             model = make_model(variant)
             ddp = Wrapper(model, **self.kwargs)
             opt = sgd(p for _, p in trainable(model))
             for step in range(STEPS):
-                distlab.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights, step {step}")
+                distlab.engine.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights, step {step}")
                 x, y = split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
                 metered = step == 0   # the meter costs Python time per op: one step is enough
                 with track_comm() if metered else nullcontext() as in_backward:
@@ -190,7 +190,7 @@ class BucketLayoutTask(Task):
     def exercise(self, case: Case, Wrapper: Any) -> dict:
         out: dict = {}
         for variant in ("frozen", "tied"):
-            distlab.runtime.progress(f"BucketedDDP.__init__, {distlab.world_size()} ranks, {variant} weights")
+            distlab.engine.runtime.progress(f"BucketedDDP.__init__, {distlab.world_size()} ranks, {variant} weights")
             model = make_model(variant, seed=SEED_OFFSET + distlab.rank())
             names = {id(p): k for k, p in model.named_parameters()}
             ddp = Wrapper(model, bucket_size_mb=BUCKET_MB)

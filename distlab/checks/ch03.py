@@ -32,10 +32,10 @@ import torch
 import distlab
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import compare, expect
-from distlab.dp_models import full_batch_gradient, make_model, train_single, trainable
+from distlab.course.data_parallel.reference import full_batch_gradient, make_model, train_single, trainable
 from distlab.meters import model_state, track_comm
-from distlab.models import PRESETS, lm_loss, split_batch, synthetic_batch
-from distlab.precision import MixedPrecisionAdam
+from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
+from distlab.engine.precision import MixedPrecisionAdam
 from distlab.theory import collective_bytes_sent, comm_bytes_per_rank
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 import distlab
 from distlab import add_to_class
-from distlab.collectives import all_gather_tensor, reduce_scatter_tensor"""
+from distlab.engine.collectives import all_gather_tensor, reduce_scatter_tensor"""
 
 SEED_OFFSET = 100            # rank r builds its model from seed 100 + r where the broadcast is checked
 BATCH = 12                   # splits evenly over 2, 3 and 4 ranks
@@ -122,7 +122,7 @@ class InitTask(Task):
     def exercise(self, case: Case, Opt: Any) -> dict:
         out: dict = {}
         for variant, dtype in LAYOUT_DTYPES.items():
-            distlab.runtime.progress(f"ShardedOptimizer.__init__, {distlab.world_size()} ranks, {variant} weights, "
+            distlab.engine.runtime.progress(f"ShardedOptimizer.__init__, {distlab.world_size()} ranks, {variant} weights, "
                                      f"{str(dtype).replace('torch.', '')}")
             model = make_model(variant, dtype=dtype, seed=SEED_OFFSET + distlab.rank())
             opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
@@ -218,7 +218,7 @@ class ReduceScatterTask(Task):
         r, n = distlab.rank(), distlab.world_size()
         out: dict = {}
         for variant in ("frozen", "tied"):
-            distlab.runtime.progress(f"_reduce_scatter_grad, {n} ranks, {variant} weights")
+            distlab.engine.runtime.progress(f"_reduce_scatter_grad, {n} ranks, {variant} weights")
             model = make_model(variant)
             opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
             x, y = split_batch(synthetic_batch(0, BATCH, PRESETS["tiny"]), r, n)
@@ -265,7 +265,7 @@ class AllGatherTask(Task):
         r = distlab.rank()
         out: dict = {}
         for variant, dtype in LAYOUT_DTYPES.items():
-            distlab.runtime.progress(f"_all_gather_params, {distlab.world_size()} ranks, {variant} weights, "
+            distlab.engine.runtime.progress(f"_all_gather_params, {distlab.world_size()} ranks, {variant} weights, "
                                      f"{str(dtype).replace('torch.', '')}")
             model = make_model(variant, dtype=dtype)
             opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
@@ -330,7 +330,7 @@ class StepTask(Task):
                 model = make_model(variant, dtype=dtype)
                 opt = Opt(model.parameters(), opt_class, **kw)
                 for step in range(STEPS):
-                    distlab.runtime.progress(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights, step {step}")
+                    distlab.engine.runtime.progress(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights, step {step}")
                     x, y = split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
                     with track_comm() if step == 0 else nullcontext() as comm:  # backward and step() together
                         lm_loss(model, x, y).backward()

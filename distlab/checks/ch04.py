@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.buckets import describe
+from distlab.course.zero.buckets import describe
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import held_bytes, model_state, track_comm, track_memory
-from distlab.models import PRESETS, build_model, lm_loss, split_batch, synthetic_batch
-from distlab.precision import MixedPrecisionAdam
+from distlab.course.models import PRESETS, build_model, lm_loss, split_batch, synthetic_batch
+from distlab.engine.precision import MixedPrecisionAdam
 from distlab.theory import comm_bytes_per_rank
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.buckets import GradBucket
-from distlab.collectives import all_gather_tensor"""
+from distlab.course.zero.buckets import GradBucket
+from distlab.engine.collectives import all_gather_tensor"""
 
 VARIANTS = ("plain", "frozen", "tied")
 STEPS, BATCH, BUCKET_MB = 4, 8, 0.02   # 0.02 MiB: several buckets even on the 34k-parameter 'tiny' model
@@ -111,7 +111,7 @@ class BucketsTask(Task):
                 names = _names(model)
                 for mb in BUCKET_SIZES:
                     for n in BUCKET_WORLDS:
-                        distlab.runtime.progress(f"make_buckets: {variant} model, {dtype}, {mb} MiB, N={n}")
+                        distlab.engine.runtime.progress(f"make_buckets: {variant} model, {dtype}, {mb} MiB, N={n}")
                         out[variant, str(dtype), mb, n] = describe(make_buckets(model.parameters(), mb, n), names)
         return out
 
@@ -187,7 +187,7 @@ class ConstructTask(Task):
     def exercise(self, case: Case, ZeRO2: Any) -> dict:
         r, out = distlab.rank(), {}
         for variant in VARIANTS:
-            distlab.runtime.progress(f"ZeRO2(...) on the {variant} model, {case.world_size} ranks")
+            distlab.engine.runtime.progress(f"ZeRO2(...) on the {variant} model, {case.world_size} ranks")
             model = variant_model(variant, seed=100 + r)     # every rank starts with different weights
             names = _names(model)
             with track_comm() as comm:
@@ -261,7 +261,7 @@ class BackwardTask(Task):
 
     def exercise(self, case: Case, ZeRO2: Any) -> dict:
         n, r = case.world_size, distlab.rank()
-        distlab.runtime.progress(f"one backward of ZeRO2 on the plain model, {n} ranks")
+        distlab.engine.runtime.progress(f"one backward of ZeRO2 on the plain model, {n} ranks")
         model = variant_model("plain")
         names = _names(model)
         opt = ZeRO2(model.parameters(), torch.optim.SGD, bucket_size_mb=BUCKET_MB, lr=0.1)
@@ -275,7 +275,7 @@ class BackwardTask(Task):
             pending = len(opt.pending)
             comm = meter.stats()
         left = [k for k, p in model.named_parameters() if p.grad is not None]
-        distlab.runtime.progress(f"_retire() after backward, {n} ranks")
+        distlab.engine.runtime.progress(f"_retire() after backward, {n} ranks")
         opt._retire()
         return {"log": log, "pending": pending, "comm": comm, "left": left,
                 "buckets": describe(opt.buckets, names),
@@ -367,7 +367,7 @@ class StepTask(Task):
             model = variant_model(variant, dtype=dtype)
             opt = ZeRO2(model.parameters(), opt_class, bucket_size_mb=BUCKET_MB, **kw)
             for step in range(STEPS):
-                distlab.runtime.progress(f"{recipe}, {variant} weights, {n} ranks, step {step}")
+                distlab.engine.runtime.progress(f"{recipe}, {variant} weights, {n} ranks, step {step}")
                 x, y = _rank_batch(step, n, r)
                 with track_comm() as in_backward:
                     lm_loss(model, x, y).backward()
@@ -454,7 +454,7 @@ class MemoryTask(Task):
 
     def exercise(self, case: Case, ZeRO2: Any) -> dict:
         n, r = case.world_size, distlab.rank()
-        distlab.runtime.progress(f"bf16 + MixedPrecisionAdam, held bytes after two steps, {n} ranks")
+        distlab.engine.runtime.progress(f"bf16 + MixedPrecisionAdam, held bytes after two steps, {n} ranks")
         model = variant_model("plain", dtype=torch.bfloat16)
         opt = ZeRO2(model.parameters(), MixedPrecisionAdam, bucket_size_mb=BUCKET_MB, lr=1e-3)
         for step in range(2):
@@ -475,12 +475,12 @@ class MemoryTask(Task):
             opt.step()
             opt.zero_grad()
 
-        distlab.runtime.progress(f"fp32 + SGD on '{MEM_PRESET}', warm-up step, {n} ranks")
+        distlab.engine.runtime.progress(f"fp32 + SGD on '{MEM_PRESET}', warm-up step, {n} ranks")
         step(0)   # optimizer state exists; on a GPU the allocator and cuBLAS are warm
         at_rest = held_bytes(model, vars(opt))
         states = model_state(model, grads=[], optimizer=opt.optim)
         with track_memory() as mem:
-            distlab.runtime.progress(f"fp32 + SGD on '{MEM_PRESET}', tracked step, {n} ranks")
+            distlab.engine.runtime.progress(f"fp32 + SGD on '{MEM_PRESET}', tracked step, {n} ranks")
             step(1)
         return {"held": held, "padded": padded, "buckets": len(opt.buckets),
                 "extra": at_rest + mem.peak_bytes - states.params - states.optimizer_state}

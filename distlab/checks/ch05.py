@@ -31,8 +31,8 @@ import distlab
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import held_bytes, track_comm, track_memory
-from distlab.models import build_model, lm_loss, split_batch, synthetic_batch
-from distlab.units import block_units, full_params, qualified_names, whole_model_unit
+from distlab.course.models import build_model, lm_loss, split_batch, synthetic_batch
+from distlab.course.zero.units import block_units, full_params, qualified_names, whole_model_unit
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
 PRELUDE = """\
@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 import distlab
-from distlab.collectives import all_gather_tensor, reduce_scatter_tensor
-from distlab.precision import compute_dtype
-from distlab.units import GatherViews, Unit, block_units, direct_params, full_params, whole_model_unit"""
+from distlab.engine.collectives import all_gather_tensor, reduce_scatter_tensor
+from distlab.engine.precision import compute_dtype
+from distlab.course.zero.units import GatherViews, Unit, block_units, direct_params, full_params, whole_model_unit"""
 
 PRESET, STEPS, BATCH = "tiny", 3, 8
 HANG = ("ZeRO-3 hangs when ranks disagree on the collectives: every rank must gather and reduce-scatter "
@@ -121,7 +121,7 @@ class ShardTask(Task):
                 for n in (2, 4)]
 
     def exercise(self, case: Case, ZeRO3: Any) -> dict:
-        distlab.runtime.progress(f"ZeRO3(model) on {case.world_size} ranks, per-block units")
+        distlab.engine.runtime.progress(f"ZeRO3(model) on {case.world_size} ranks, per-block units")
         model = build_model(PRESET, seed=100 + distlab.rank())    # every rank starts with other weights
         with track_comm() as comm:
             zero = ZeRO3(model)
@@ -186,7 +186,7 @@ class ForwardTask(Task):
 
     def exercise(self, case: Case, ZeRO3: Any) -> dict:
         n, r = case.world_size, distlab.rank()
-        distlab.runtime.progress(f"a forward (no_grad) of ZeRO3, {n} ranks")
+        distlab.engine.runtime.progress(f"a forward (no_grad) of ZeRO3, {n} ranks")
         zero = ZeRO3(build_model(PRESET))
         x, _ = _batch(0, n, r)
         with torch.no_grad(), track_comm() as comm:
@@ -254,7 +254,7 @@ class BackwardTask(Task):
                 self.born.append(weakref.ref(full.untyped_storage()))
                 return full
 
-        distlab.runtime.progress(f"forward and backward of ZeRO3 (gradients recorded), {n} ranks")
+        distlab.engine.runtime.progress(f"forward and backward of ZeRO3 (gradients recorded), {n} ranks")
         model = build_model(PRESET)
         zero = Probe(model)
         zero.seen, zero.born = {}, []
@@ -341,7 +341,7 @@ class TrainTask(Task):
             with track_memory() as mem:   # running before ZeRO3 exists: it sees the shards being born
                 zero = ZeRO3(model, optimizer=make_opt, **kw)
                 for step, (x, y) in enumerate(batches):
-                    distlab.runtime.progress(f"{variant}, {n} ranks, step {step}")
+                    distlab.engine.runtime.progress(f"{variant}, {n} ranks, step {step}")
                     with track_comm() as comm:
                         lm_loss(zero, x, y).backward()
                     zero.optimizer.step()
@@ -428,7 +428,7 @@ class PrefetchTask(Task):
             unit.modules[0].register_forward_pre_hook(lambda m, a, i=unit.index: zero.events.append(("forward", i)))
         log = None
         for step in range(STEPS):
-            distlab.runtime.progress(f"prefetch=True, {n} ranks, step {step}")
+            distlab.engine.runtime.progress(f"prefetch=True, {n} ranks, step {step}")
             x, y = _batch(step, n, r)
             with track_comm() as comm:
                 lm_loss(zero, x, y).backward()
@@ -485,7 +485,7 @@ class Bf16Task(Task):
         model = build_model(PRESET)
         zero = ZeRO3(model, optimizer=make_opt, gather_dtype=torch.bfloat16)
         for step in range(STEPS):
-            distlab.runtime.progress(f"gather_dtype=bfloat16, {n} ranks, step {step}")
+            distlab.engine.runtime.progress(f"gather_dtype=bfloat16, {n} ranks, step {step}")
             x, y = _batch(step, n, r)
             with track_comm() as comm:
                 lm_loss(zero, x, y).backward()

@@ -92,7 +92,7 @@ def _train(model: torch.nn.Module, steps: int) -> tuple[Any, Any, dict]:
     """`steps` SGD steps on this rank's slice of each batch: (traffic of the last step, model states
     after it, full parameters)."""
     from distlab.meters import model_state, track_comm
-    from distlab.models import PRESETS, lm_loss, split_batch, synthetic_batch
+    from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     comm = state = None
     for step in range(steps):
@@ -116,7 +116,7 @@ def _wrap_reference() -> dict:
     torch.optim.SGD(lr=LR, momentum=MOMENTUM)'s arithmetic written out (buf = g, then buf = m buf + g;
     p -= lr buf): the first torch.optim optimizer imports torch._dynamo, seconds in the notebook's kernel.
     """
-    from distlab.models import PRESETS, build_model, lm_loss, num_params, synthetic_batch
+    from distlab.course.models import PRESETS, build_model, lm_loss, num_params, synthetic_batch
     model = build_model(PRESET, device="cpu")
     psi = num_params(model)
     psi_root = psi - sum(p.numel() for p in model.blocks.parameters())
@@ -151,11 +151,11 @@ class WrapTask(Task):
     def exercise(self, case: Case, wrap: Any) -> dict:
         from torch.distributed.fsdp import FSDPModule
 
-        from distlab.models import build_model
+        from distlab.course.models import build_model
         shape = tuple(case.args["shape"])
         out = {}
         for gran, reshard, steps in (CONFIGS_1D if len(shape) == 1 else CONFIGS_2D):
-            distlab.runtime.progress(f"wrap(model, mesh {shape}, {gran!r}, reshard_after_forward={reshard})")
+            distlab.engine.runtime.progress(f"wrap(model, mesh {shape}, {gran!r}, reshard_after_forward={reshard})")
             model = build_model(PRESET)
             returned = wrap(model, _mesh(shape), gran, reshard)
             units = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
@@ -259,7 +259,7 @@ class PredictTrafficTask(Task):
     def exercise(self, case: Case, predict_traffic: Any) -> dict:
         out = {}
         for cfg in TRAFFIC_LAB + TRAFFIC_CLUSTER:
-            distlab.runtime.progress(f"predict_traffic{cfg}")
+            distlab.engine.runtime.progress(f"predict_traffic{cfg}")
             got = predict_traffic(*cfg)
             out[str(cfg)] = {k: float(v) for k, v in dict(got).items()}
         return out

@@ -2,7 +2,7 @@
 attention and model, and the sequence-parallel variant.
 
 Every task runs the learner's classes on 2 and 4 real ranks (the f/g task also on 4 ranks split
-into two groups of 2) on chapter 7's model (`distlab.tp`, preset 'tp-tiny': h = 32, 8 heads,
+into two groups of 2) on chapter 7's model (`distlab.course.tensor_parallel.model`, preset 'tp-tiny': h = 32, 8 heads,
 S = 16) and judges, from raw outputs, against one process computing the same thing here:
 
 - values: forward outputs, input gradients and parameter gradients, slice by slice (rank r owns
@@ -10,7 +10,7 @@ S = 16) and judges, from raw outputs, against one process computing the same thi
   under SP); after a few SGD steps, every parameter;
 - shards: a rank holds 1/t of every split weight, not a full copy it slices on the fly;
 - traffic: which collectives ran in forward and in backward, and their algorithmic bytes, against
-  `distlab.theory.tensor` (for example one all-reduce of B x S x h per MLP forward and one backward).
+  `distlab.theory.tensor_parallel` (for example one all-reduce of B x S x h per MLP forward and one backward).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from distlab.checks.ch07_sp import SPBlockTask, SPOpsTask
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.meters import track_comm
-from distlab.tp import build_tp_model
+from distlab.course.tensor_parallel.model import build_tp_model
 
 from distlab.checks.ch07_common import (  # noqa: F401 - PRELUDE and the constants are part of this module's API
     ATOL, B, CFG, COL, E, HANG_HINT, PRELUDE, ROW, RTOL, STEPS, TRAIN_ATOL, TRAIN_RTOL, all_reduce_of, block,
@@ -50,14 +50,14 @@ class FG(Task):
             groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]
             group = groups[r // size]
         out: dict[str, Any] = {}
-        distlab.runtime.progress("f (CopyToTP): forward, then backward")
+        distlab.engine.runtime.progress("f (CopyToTP): forward, then backward")
         x = randn(B, CFG.seq_len, CFG.d_model, seed=r).to(dev).requires_grad_()
         with track_comm() as fwd:
             y = f.apply(x, group)
         with track_comm() as bwd:
             y.backward(randn(*x.shape, seed=100 + r).to(dev))
         out["f"] = {"out": y.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
-        distlab.runtime.progress("g (ReduceFromTP): forward, then backward")
+        distlab.engine.runtime.progress("g (ReduceFromTP): forward, then backward")
         x = (randn(B, CFG.seq_len, CFG.d_model, seed=200 + r).to(dev).requires_grad_())
         x_in = x * 1.0        # not a leaf: an in-place all-reduce on the input is allowed
         with track_comm() as fwd:
@@ -159,13 +159,13 @@ class LayerTask(Task):
     def exercise(self, case: Case, answer: Any) -> dict:
         r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
         layer, x, g = self._full()
-        distlab.runtime.progress(f"{self.name}: building from the full layer ({t} ranks)")
+        distlab.engine.runtime.progress(f"{self.name}: building from the full layer ({t} ranks)")
         mine = self.make(answer, layer.to(dev))
         xin = self.feed(x, r, t).to(dev).requires_grad_()
-        distlab.runtime.progress(f"{self.name}: forward")
+        distlab.engine.runtime.progress(f"{self.name}: forward")
         with track_comm() as fwd:
             y = mine(xin)
-        distlab.runtime.progress(f"{self.name}: backward")
+        distlab.engine.runtime.progress(f"{self.name}: backward")
         with track_comm() as bwd:
             y.backward(self.grad_out(g, r, t).to(dev))
         return {"out": y.detach(), "x_grad": xin.grad,
@@ -284,11 +284,11 @@ class TrainTask(Task):
         return build_tp_model(CFG, seed=4, device=device, n_layers=self.LAYERS)
 
     def _steps(self, model: torch.nn.Module, meter: bool) -> tuple[list[float], Any]:
-        from distlab.models import lm_loss, synthetic_batch
+        from distlab.course.models import lm_loss, synthetic_batch
         opt = make_optimizer(model.parameters())
         losses, stats = [], None
         for step in range(STEPS):
-            distlab.runtime.progress(f"train: step {step}")
+            distlab.engine.runtime.progress(f"train: step {step}")
             x, y = synthetic_batch(step, B, CFG, device=next(model.parameters()).device)
             with track_comm() if meter and step == 0 else contextlib.nullcontext() as m:
                 loss = lm_loss(model, x, y)
@@ -326,7 +326,7 @@ class TrainTask(Task):
             return f"{STEPS} SGD steps match one process, each rank holding its 1/{t}"
 
         def traffic() -> str:
-            from distlab.theory.tensor import tp_block_bytes
+            from distlab.theory.tensor_parallel import tp_block_bytes
             calls = 4 * self.LAYERS
             total = round(self.LAYERS * tp_block_bytes(B * CFG.seq_len, CFG.d_model, t, bytes_per_element=E))
             for r, out in enumerate(outputs):

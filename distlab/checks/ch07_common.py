@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from distlab.checks.verdict import CheckFailed, compare
-from distlab.tp import TP_PRESETS, Block, build_tp_model
+from distlab.course.tensor_parallel.model import TP_PRESETS, Block, build_tp_model
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
 PRELUDE = """\
@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import distlab
-from distlab.tp import Attention, Block, MLP, Transformer, attention_core"""
+from distlab.course.tensor_parallel.model import Attention, Block, MLP, Transformer, attention_core"""
 
 CFG = TP_PRESETS["tp-tiny"]            # h = 32, 8 heads, d_ff = 128, S = 16: splits over 2, 4 and 8 ranks
 B = 2                                  # rows per batch

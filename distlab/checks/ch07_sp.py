@@ -25,14 +25,14 @@ class SPOpsTask(Task):
     def exercise(self, case: Case, gather: Any, scatter: Any) -> dict:
         r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
         out: dict[str, Any] = {}
-        distlab.runtime.progress("GatherFromSP: forward, then backward")
+        distlab.engine.runtime.progress("GatherFromSP: forward, then backward")
         x = randn(*SHAPE, seed=r).chunk(t, 1)[r].contiguous().to(dev).requires_grad_()
         with track_comm() as fwd:
             y = gather.apply(x, None)
         with track_comm() as bwd:
             y.backward(randn(*SHAPE, seed=100 + r).to(dev))
         out["gather"] = {"out": y.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
-        distlab.runtime.progress("ReduceScatterToSP: forward, then backward")
+        distlab.engine.runtime.progress("ReduceScatterToSP: forward, then backward")
         x = randn(*SHAPE, seed=200 + r).to(dev).requires_grad_()
         with track_comm() as fwd:
             z = scatter.apply(x * 1.0, None)
@@ -97,7 +97,7 @@ class SPBlockTask(Task):
         opt = make_optimizer(spb.parameters())
         first: dict[str, Any] = {}
         for step in range(STEPS):
-            distlab.runtime.progress(f"sp_block: step {step}")
+            distlab.engine.runtime.progress(f"sp_block: step {step}")
             x, target = (z.to(dev) for z in self._batch(step, r, t))
             x.requires_grad_()
             with track_comm() as fwd:

@@ -1,7 +1,7 @@
 """Lab 8's graded tasks: a pipeline over send/recv (forward, GPipe, 1F1B) and an offloaded optimizer.
 
 Pipeline tasks run the learner's function on 2 and 4 stage ranks: rank r holds
-stage r of the course GPT (`distlab.pipeline.build_stage`), rank 0 gets the
+stage r of the course GPT (`distlab.course.pipeline.stages.build_stage`), rank 0 gets the
 token ids, the last rank the targets. Three verdict lines per case:
 
 - values: the last rank's loss (or logits) and every stage's gradients equal
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 import distlab
 from distlab.meters import sync
-from distlab.offload import host_like
-from distlab.pipeline import activation_shape, stage_loss"""
+from distlab.course.offload import host_like
+from distlab.course.pipeline.stages import activation_shape, stage_loss"""
 
 PRESET, SEED, LAYERS, MICRO = "tiny", 0, 4, 2      # 4 blocks: up to 4 stages; 2 rows per micro-batch
 OFFLOAD_LR, OFFLOAD_WD, OFFLOAD_STEPS, OFFLOAD_BATCH = 5e-2, 0.1, 3, 8
@@ -48,7 +48,7 @@ PIPE_HINT = ("A pipeline hangs when a rank waits for a message its neighbour nev
 
 
 def _batch(m: int, config: Any, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    from distlab.models import synthetic_batch
+    from distlab.course.models import synthetic_batch
     return synthetic_batch(0, MICRO * m, config, device=device)
 
 
@@ -73,18 +73,18 @@ class PipelineTask(Task):
 
     # -- on every rank, with the learner's function ------------------------------------------------
     def exercise(self, case: Case, fn: Any) -> dict:
-        from distlab.pipeline import activation_bytes, build_stage
+        from distlab.course.pipeline.stages import activation_bytes, build_stage
         p, m, r = case.world_size, case.args["m"], distlab.rank()
         stage = build_stage(PRESET, r, p, seed=SEED, n_layers=LAYERS)
         x, y = _batch(m, stage.config)
         first, last = r == 0, r == p - 1
         unit = 0
         if self.kind != "forward":
-            distlab.runtime.progress(f"{p} stages, m={m}: measuring one micro-batch")
+            distlab.engine.runtime.progress(f"{p} stages, m={m}: measuring one micro-batch")
             unit = activation_bytes(stage, x[:MICRO], y[:MICRO])
             for q in stage.parameters():
                 q.grad = torch.zeros_like(q)      # gradients accumulate in place: not activations
-        distlab.runtime.progress(f"{self.kind}, {p} stages, m={m}")
+        distlab.engine.runtime.progress(f"{self.kind}, {p} stages, m={m}")
         with track_memory() as mem, track_comm() as comm:
             if self.kind == "forward":
                 with torch.no_grad():
@@ -101,7 +101,7 @@ class PipelineTask(Task):
 
     # -- here, without learner code ----------------------------------------------------------------
     def reference(self, case: Case) -> dict:
-        from distlab.models import build_model, lm_loss
+        from distlab.course.models import build_model, lm_loss
         model = build_model(PRESET, seed=SEED, n_layers=LAYERS, device="cpu")
         x, y = _batch(case.args["m"], model.config, device="cpu")
         if self.kind == "forward":
@@ -181,14 +181,14 @@ class PipelineTask(Task):
 # ---- offload -------------------------------------------------------------------------------------
 
 def _offload_model() -> Any:
-    from distlab.models import build_model
+    from distlab.course.models import build_model
     return build_model(PRESET, seed=SEED).to(torch.bfloat16)
 
 
 def _plain_offload_reference() -> dict:
     """MixedPrecisionAdam on the rank's device: what the offloaded optimizer must reproduce."""
-    from distlab.models import lm_loss, synthetic_batch
-    from distlab.precision import MixedPrecisionAdam
+    from distlab.course.models import lm_loss, synthetic_batch
+    from distlab.engine.precision import MixedPrecisionAdam
     model = _offload_model()
     opt = MixedPrecisionAdam(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
     for step in range(OFFLOAD_STEPS):
@@ -210,11 +210,11 @@ class OffloadTask(Task):
         return [Case(1, tuple(f"{self.name}, {line}" for line in self._lines))]
 
     def exercise(self, case: Case, cls: Any) -> dict:
-        from distlab.models import lm_loss, num_params, synthetic_batch
-        from distlab.offload import host_device_split, track_transfers
+        from distlab.course.models import lm_loss, num_params, synthetic_batch
+        from distlab.course.offload import host_device_split, track_transfers
         model = _offload_model()
         psi = num_params(model)
-        distlab.runtime.progress(f"offload_{self.kind}: building the optimizer")
+        distlab.engine.runtime.progress(f"offload_{self.kind}: building the optimizer")
         opt = cls(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
         out: dict[str, Any] = {"psi": psi}
         if self.kind == "state":
@@ -223,7 +223,7 @@ class OffloadTask(Task):
         steps = 1 if self.kind == "grads" else OFFLOAD_STEPS
         out["steps"] = []
         for step in range(steps):
-            distlab.runtime.progress(f"offload_{self.kind}: step {step}")
+            distlab.engine.runtime.progress(f"offload_{self.kind}: step {step}")
             x, y = synthetic_batch(step, OFFLOAD_BATCH, model.config)
             with track_transfers(model) as backward:
                 lm_loss(model, x, y).backward()
@@ -241,7 +241,7 @@ class OffloadTask(Task):
     def reference(self, case: Case) -> Any:
         if self.kind != "step":
             return None
-        from distlab.launch import launch
+        from distlab.engine.launch import launch
         return launch(_plain_offload_reference, 1)[0]
 
     def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:

@@ -12,7 +12,7 @@ The lab keeps the `def` line and replaces the fenced block with
 cleared, so a learner opens a lab that shows no verdict. The solution's
 verdict lines of each graded check cell (tag `nbval-check-output`) are kept
 in the cell's metadata (`metadata.distlab.expected`), where the grader and
-nbval (through distlab's pytest plugin, `distlab.nbval_expected`) read them.
+nbval (through distlab's pytest plugin, `distlab.apps.nbval_plugin`) read them.
 
 A maintainer's command, never a learner's: it refuses to overwrite a lab
 that was edited since it was generated (a learner's work), unless forced.
@@ -132,24 +132,3 @@ def build_labs(root: Path = Path("."), *, check: bool = False, force: bool = Fal
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     return changed, refused
-
-
-
-
-def add_parser(sub):
-    b = sub.add_parser("build-labs", help="(maintainers) regenerate labs/ from solutions/, answers removed")
-    b.add_argument("--check", action="store_true", help="exit 1 if labs/ is out of date; write nothing")
-    b.add_argument("--force", action="store_true", help="overwrite labs edited since they were generated")
-    b.add_argument("--root", type=Path, default=Path("."), help="the checkout (default: here)")
-    return b
-
-
-def run(args) -> int:
-    changed, refused = build_labs(args.root, check=args.check, force=args.force)
-    for p in changed:
-        print(("stale: " if args.check else "wrote: ") + str(p))
-    for p in refused:
-        print(f"kept: {p} was edited since it was generated (someone's work); --force overwrites it")
-    if not changed and not refused:
-        print("labs/ is up to date")
-    return 1 if (args.check and changed) or refused else 0

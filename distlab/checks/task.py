@@ -181,7 +181,7 @@ def _exercise_on_rank(task: Task, case: Case, answers: tuple) -> Any:
 def launch_exercise(task: Task, case: Case, answers: tuple, *, stall: float | None = None) -> list[Any]:
     """Run `task.exercise(case, *answers)` on `case.world_size` ranks (the notebook's way);
     `stall`: the hang window, `CHECK_STALL_S` unless given."""
-    from distlab.launch import launch
+    from distlab.engine.launch import launch
     return launch(_exercise_on_rank, case.world_size, task, case, tuple(answers),
                   stall=CHECK_STALL_S if stall is None else stall)
 
@@ -207,7 +207,7 @@ def run_task(task: Task, answers: Iterable[Any], *,
             outputs = run(task, case, answers)
             validate(outputs)
         except Exception as exc:  # noqa: BLE001 - every failure is a verdict
-            from distlab.launch import LaunchStalled
+            from distlab.engine.launch import LaunchStalled
             why = reason(exc, task.hang_hint)
             skip = later_cases_reason(case.world_size, why, "hung" if isinstance(exc, LaunchStalled) else "")
             out += [Line(n, False, why) for n in case.lines]

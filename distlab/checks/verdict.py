@@ -45,7 +45,7 @@ def expect(condition: bool, message: str) -> None:
 
 def reason(exc: BaseException, hint: str = "") -> str:
     """One line: the learner's own exception, unwrapped from a failed rank; where ranks hung."""
-    from distlab.launch import LaunchStalled, LaunchTimeout, RankFailed
+    from distlab.engine.launch import LaunchStalled, LaunchTimeout, RankFailed
     if isinstance(exc, CheckFailed):
         return str(exc)
     if isinstance(exc, RankFailed):

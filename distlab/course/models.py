@@ -14,7 +14,7 @@ outside a rank, on the CPU.
 
 Precision: the weights may be stored in bf16 (2 bytes, the recipe's figure)
 while the matrix products run in the fastest dtype this device has for them
-(`distlab.precision.compute_dtype`): bf16 on GPUs and on CPUs with native
+(`distlab.engine.precision.compute_dtype`): bf16 on GPUs and on CPUs with native
 bf16, fp32 on the others, where bf16 arithmetic is emulated and ~50x slower.
 The weights are cast on the fly, so parameter, gradient and traffic bytes
 stay those of the storage dtype.
@@ -84,7 +84,7 @@ class Block(nn.Module):
         self.out = Linear(c.d_ff, c.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from distlab.precision import compute_dtype
+        from distlab.engine.precision import compute_dtype
         # FSDP2's MixedPrecisionPolicy casts a unit's inputs to its param_dtype (bf16): compute in the
         # device's dtype for it (fp32 where bf16 is emulated); the gathered weights stay bf16.
         x = x.to(compute_dtype(x.dtype, x.device))
@@ -110,7 +110,7 @@ class GPT(nn.Module):
             self.head.weight = self.tok.weight  # one parameter, two uses
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        from distlab.precision import compute_dtype
+        from distlab.engine.precision import compute_dtype
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         x = x.to(compute_dtype(x.dtype, x.device))  # bf16 storage, fp32 math where bf16 is emulated
@@ -128,7 +128,7 @@ def _device(device: torch.device | str | None) -> torch.device:
     """`device`, or this rank's device (`distlab.device()`; the CPU outside a rank)."""
     if device is not None:
         return torch.device(device)
-    from distlab.runtime import device as rank_device
+    from distlab.engine.runtime import device as rank_device
     return rank_device()
 
 

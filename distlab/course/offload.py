@@ -38,7 +38,7 @@ def host_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     the device can run asynchronously (`non_blocking=True`); plain CPU memory otherwise
     (pinning needs a GPU).
     """
-    from distlab.runtime import device
+    from distlab.engine.runtime import device
     pin = device().type == "cuda" and torch.cuda.is_available()
     return torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu", pin_memory=pin)
 
@@ -85,7 +85,7 @@ class _TransferMeter(EagerMode):
             return
         if src.device.type != "cpu":
             return  # a copy inside one GPU (or between GPUs) never crosses the host link
-        from distlab.runtime import device
+        from distlab.engine.runtime import device
         if device().type != "cpu":
             return  # a GPU rank: CPU-to-CPU copies are host-side only
         keys = self._device_keys()
@@ -171,7 +171,7 @@ def host_device_split(device_side: Any, host_side: Any = ()) -> dict[str, int]:
     on_device = _storages(*dev_roots)
     everything = dict(on_device)
     everything.update(_storages(*host_roots))
-    from distlab.runtime import device
+    from distlab.engine.runtime import device
     if device().type == "cuda":
         dev = sum(b for (d, _), b in everything.items() if d.startswith("cuda"))
         return {"device": dev, "host": sum(everything.values()) - dev}

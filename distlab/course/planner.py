@@ -68,7 +68,7 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelSpec":
-        """From a `distlab.models.GPTConfig`: exactly the course model's parameter count."""
+        """From a `distlab.course.models.GPTConfig`: exactly the course model's parameter count."""
         return cls(config.n_layers, config.d_model, config.n_heads, config.vocab_size, config.seq_len, name)
 
     @classmethod
@@ -157,7 +157,7 @@ class Plan:
 
 def local_params(spec: ModelSpec, tp: int, pp: int, stage: int, *, vocab_parallel: bool = True) -> int:
     """Parameters one device of pipeline stage `stage` holds with tensor parallelism `tp`."""
-    from distlab.pipeline import stage_layers
+    from distlab.course.pipeline.stages import stage_layers
     d = spec.d_model
     a, b = stage_layers(spec.n_layers, pp)[stage]
     # Column-parallel qkv and fc (weights and biases split), row-parallel proj and out (weights
@@ -214,7 +214,7 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel) for r in stages]
     states = [_model_states(n, L.dp, L.zero, param_bytes, grad_bytes, k) for n in n_local]
     per_layer = _activation_per_layer(spec, L, workload.seq_len, act_bytes, flash_attention)
-    from distlab.pipeline import stage_layers
+    from distlab.course.pipeline.stages import stage_layers
     layers = [b - a for a, b in stage_layers(spec.n_layers, L.pp)]
     acts = [activations_in_flight(L.schedule, L.pp, L.m, r) * layers[r] * per_layer for r in stages]
     elems = L.micro_batch * (workload.seq_len / L.cp) * spec.d_model      # one activation b s h

@@ -59,7 +59,7 @@ _MIXING_ALLOWED = {"copy_", "to", "cpu", "cuda", "__setitem__", "set_", "item", 
 # What C++ issues by itself (DDP's bucket all-reduces, on buffers it allocates) is not seen.
 _C10D = "torch.distributed.distributed_c10d"
 _C10D_OPS = ("c10d", "_c10d_functional")
-_SKIP_FILES = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep + "audit.py", "contextlib.py",
+_SKIP_FILES = (os.sep + "torch" + os.sep, os.sep + os.path.join("distlab", "engine", "audit.py"), "contextlib.py",
                os.sep + "site-packages" + os.sep + "typing_extensions")
 
 

@@ -44,8 +44,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from distlab import procs
-from distlab import runtime as _runtime
+from distlab.engine import procs
+from distlab.engine import runtime as _runtime
 
 BACKENDS = ("auto", "nccl", "gloo")
 # A last resort only: hangs are found by lack of progress (`stall`), not by the clock.
@@ -174,9 +174,9 @@ def resolve_backend(backend: str, world_size: int) -> str:
 # What the forkserver imports once, so that no rank pays for it again. torch._dynamo above all:
 # optimizers, batch_isend_irecv, FSDP and DTensor import it lazily on first use, ~2 s per rank
 # per launch on a laptop CPU (measured: 2.6 s of a 3 s check). With it, the rest costs 0.1 s more.
-_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "distlab.runtime", "torch._dynamo",
+_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "distlab.engine.runtime", "torch._dynamo",
             "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
-            "torch.nn.parallel", "distlab.meters", "distlab.models", "distlab.checks", "distlab.collectives",
+            "torch.nn.parallel", "distlab.meters", "distlab.course.models", "distlab.checks", "distlab.engine.collectives",
             # ZeroRedundancyOptimizer: its import scripts functional optimizers with TorchScript, ~1-3 s per
             # rank per launch (chapter 3 launches it a dozen times)
             "torch.distributed.optim")
@@ -317,7 +317,7 @@ def _stacks(ranks: list[Any], stuck: list[int], workdir: str) -> dict[int, str]:
 
 
 def _notes(stuck: list[int], workdir: str) -> dict[int, str]:
-    """The last `distlab.runtime.progress` line of each stuck rank."""
+    """The last `distlab.engine.runtime.progress` line of each stuck rank."""
     out = {}
     for r in stuck:
         try:
@@ -434,7 +434,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     unfinished rank may go without any work before the launch counts as stuck.
     `timeout` (seconds, default 4 h): a last-resort cap on the whole launch.
     `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU ranks, enforce the rule a
-    GPU enforces (see `distlab.audit`).
+    GPU enforces (see `distlab.engine.audit`).
     `loads` (default `cloudpickle.loads`) reads each rank's result and error
     report; `distlab grade` passes a safe unpickler, since learner code runs
     on the ranks and can write anything into those files.

@@ -63,7 +63,7 @@ def native_bf16(device: torch.device | str | None = None) -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     if device is None:
-        from distlab.runtime import device as rank_device
+        from distlab.engine.runtime import device as rank_device
         device = rank_device()
     device = torch.device(device)
     if device.type == "cuda":
@@ -86,7 +86,7 @@ def compute_dtype(storage_dtype: torch.dtype, device: torch.device | str | None 
 def describe(device: torch.device | str | None = None) -> str:
     """One line for a notebook: what bf16 storage computes in here, and why."""
     if device is None:
-        from distlab.runtime import device as rank_device
+        from distlab.engine.runtime import device as rank_device
         device = rank_device()
     device = torch.device(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else (

@@ -188,7 +188,7 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
                            rank_=rank_, world_size_=world_size_)
         fn, args, kwargs = cloudpickle.loads(payload)
         if audit and backend_name != "nccl":
-            from distlab.audit import DeviceAudit
+            from distlab.engine.audit import DeviceAudit
             with DeviceAudit():
                 result = fn(*args, **kwargs)
         else:

@@ -1,4 +1,5 @@
 """`distlab grade`: instructors grade a class's lab notebooks; verdicts are never computed where learner code runs.
+May import: engine, theory, meters, bench, course, checks, and the top-level `distlab`.
 
     lab.py          what the shipped lab grades (its check cells, parsed), its answer cells
     submission.py   a learner's notebook, read defensively: only its answer cells

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import nbformat
 
-from distlab.labs import BEGIN, END
+from distlab.checks.labs import BEGIN, END
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ import nbformat
 
 from distlab.checks import lab_module
 from distlab.checks.task import Task
-from distlab.labs import ANSWER_TAG, is_check_cell
+from distlab.checks.labs import ANSWER_TAG, is_check_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -36,8 +36,8 @@ REGION_KEY = "__distlab_region__"
 # modules are left alone: torch itself rewraps e.g. every optimizer class's `step` on first use, and a
 # learner who breaks them only breaks their own outputs, which are judged in the grader.)
 WATCHED_PREFIXES = ("distlab.checks", "distlab.meters", "distlab.grading")
-WATCHED = ("distlab.runtime", "distlab.launch", "distlab.collectives", "torch.distributed",
-           "torch.distributed.distributed_c10d")
+WATCHED = ("distlab.engine.runtime", "distlab.engine.launch", "distlab.engine.collectives", "distlab.course.collectives",
+           "torch.distributed", "torch.distributed.distributed_c10d")
 
 
 class GradingError(RuntimeError):

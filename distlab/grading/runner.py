@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from distlab import procs
+from distlab.engine import procs
 from distlab.grading.channel import Writer
 
 _STARTED = time.monotonic()
@@ -140,7 +140,7 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     from distlab.checks.verdict import reason
     from distlab.grading.rankside import run_case as on_rank
     from distlab.grading.safeload import safe_loads
-    from distlab.launch import LaunchStalled, LaunchTimeout, launch
+    from distlab.engine.launch import LaunchStalled, LaunchTimeout, launch
     streams = _Streams(folder, case.world_size)
     record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
     try:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from distlab.checks import lab_module
     from distlab.checks.task import later_cases_reason
-    from distlab.launch import _PRELOAD
+    from distlab.engine.launch import _PRELOAD
     job = json.load(sys.stdin)
     module = lab_module(job["lab"])        # imported here, the ranks (forked from the fork server) have it too
     # what the ranks would otherwise import again on every launch: the lab's own list, else the launcher's

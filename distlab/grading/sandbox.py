@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from distlab import procs
+from distlab.engine import procs
 from distlab.grading.channel import new_key, read_records
 
 MAX_FILE_BYTES = 64 << 20           # RLIMIT_FSIZE for everything in the sandbox (ranks' output floods)
@@ -55,11 +55,10 @@ def bwrap_path() -> str | None:
 
 def _read_only_roots() -> list[str]:
     """The Python environment and the distlab package (where its source lives, editable or not)."""
-    import distlab
     paths = sysconfig.get_paths()
     roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, paths["stdlib"], paths["purelib"],
                                            paths["platlib"])}
-    roots.add(os.path.realpath(os.path.dirname(distlab.__file__)))
+    roots.add(os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)))   # the distlab package
     roots.add(os.path.realpath(os.path.dirname(sys.executable)))
     # nothing under /usr needs its own bind; keep only the outermost of nested roots
     out = sorted(r for r in roots if not r.startswith("/usr/"))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distlab.grading.lab import ShippedLab, defined_names
-from distlab.labs import ANSWER_TAG, CHECK_TAG
+from distlab.checks.labs import ANSWER_TAG, CHECK_TAG
 
 MAX_FILE_BYTES = 20 << 20        # a lab notebook with outputs is well under this
 MAX_CELL_CHARS = 200_000

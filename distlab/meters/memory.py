@@ -166,7 +166,7 @@ def track_memory(device: torch.device | str | None = None) -> Iterator[Any]:
     block to warm up, and compare with a tolerance, or compare model states
     (`model_state`), which are exact on every device.
     """
-    from distlab.runtime import device as rank_device
+    from distlab.engine.runtime import device as rank_device
     dev = torch.device(device) if device is not None else rank_device()
     if dev.type == "cuda":
         yield _CudaTracker(dev)

@@ -45,7 +45,7 @@ class Timeline:
     """
 
     def __init__(self, rank: int | None = None, device: Any = None) -> None:
-        from distlab.runtime import rank as current_rank
+        from distlab.engine.runtime import rank as current_rank
         self.rank = current_rank() if rank is None else rank
         self.device = device
         self.spans: list[Span] = []
@@ -62,7 +62,7 @@ class Timeline:
         import torch
         dev = self.device
         if dev is None:
-            from distlab.runtime import device as rank_device
+            from distlab.engine.runtime import device as rank_device
             dev = rank_device()
         return torch.device(dev).type == "cuda"
 
@@ -160,8 +160,8 @@ def profile_spans(step: Any, *, compute_prefixes: tuple[str, ...] = ("fwd", "bwd
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from distlab.runtime import device as rank_device
-    from distlab.runtime import rank as current_rank
+    from distlab.engine.runtime import device as rank_device
+    from distlab.engine.runtime import rank as current_rank
     r = current_rank() if rank is None else rank
     on_cuda = rank_device().type == "cuda"
     # Kineto prints 'USDT: ... profiler_start/stop' on stderr at every profile unless its log level

@@ -18,7 +18,7 @@ import torch
 def sync(device: torch.device | str | None = None) -> None:
     """Wait for queued device work (CUDA); nothing to wait for on the CPU."""
     if device is None:
-        from distlab.runtime import device as rank_device
+        from distlab.engine.runtime import device as rank_device
         device = rank_device()
     device = torch.device(device)
     if device.type == "cuda":

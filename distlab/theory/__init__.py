@@ -1,6 +1,6 @@
 """Closed forms the course draws beside its measurements. Pure functions, no ranks.
-
-Names: Ψ = `num_params`, N = `world_size` (the data-parallel degree),
+This module: bytes per parameter, ZeRO memory per stage, traffic, busbw; hardware, overlap, tensor_parallel, pipeline.
+May import: engine only (it needs nothing). Names: Ψ = `num_params`, N = `world_size` (the data-parallel degree),
 K = bytes of optimizer state per parameter.
 """
 from __future__ import annotations

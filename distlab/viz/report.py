@@ -5,7 +5,7 @@ PyTorch's own implementation, each ratio with its noise, one sentence of
 reading, and the figures. Built as a list of blocks rendered twice, so
 `report.md` and `report.html` always say the same thing.
 
-Conventions of the records (see `distlab.results.record`): a measured `X`
+Conventions of the records (see `distlab.meters.records.record`): a measured `X`
 sits beside its theory `predicted_X`; races are `races` records with a ratio
 and the middle half of its paired per-repeat ratios.
 """

@@ -1,12 +1,12 @@
 """The memory calculator: model states per device for each ZeRO stage, activations, a TP degree.
 
-    from distlab.widgets import zero_table, markdown_table, memory_calculator
+    from distlab.viz.widgets import zero_table, markdown_table, memory_calculator
     rows = zero_table(7.5e9, 64)          # the ZeRO paper's example: 120 / 31.4 / 16.6 / 1.9 GB
     print(markdown_table(rows))
     act = Activations().bytes_per_device(tp=1)   # S = 2048, b = 1, h = 4096, 36 layers: 34.4 GB
     memory_calculator()                   # sliders in Jupyter; a static table elsewhere
 
-The arithmetic lives in `distlab.theory` (`theory.tensor` for activations); this module only
+The arithmetic lives in `distlab.theory` (`theory.tensor_parallel` for activations); this module only
 arranges it. `zero_table`, `largest_models` and `Activations` are pure (tested without Jupyter);
 `memory_calculator` is the ipywidgets front end over them. With a tensor-parallel degree t,
 each device holds 1/t of the weights and the ZeRO stages shard that over the N/t data-parallel
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from distlab.theory import RECIPES, largest_model, zero_memory_per_device
-from distlab.theory.tensor import RECOMPUTE, activation_bytes_per_layer
+from distlab.theory.tensor_parallel import RECOMPUTE, activation_bytes_per_layer
 
 GB = 1e9
 STAGE_NAMES = {0: "DDP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}

@@ -29,7 +29,7 @@ from typing import Any
 
 
 def _notebooks(root: Path) -> list[Path]:
-    from distlab.tour import TOUR_NOTEBOOKS
+    from distlab.apps.tour import TOUR_NOTEBOOKS
     return [root / p for p in ("notebooks/00_launching.ipynb", *TOUR_NOTEBOOKS) if (root / p).exists()]
 
 
@@ -62,8 +62,9 @@ def gpu_check(root: Path | None = None, out: Path | None = None) -> int:
 
     import torch
 
-    from distlab.doctor import machine, run_checks
-    from distlab.tour import repo_root
+    from distlab.apps.doctor.local import run_checks
+    from distlab.engine.machine import machine
+    from distlab.apps.tour import repo_root
     info = machine()
     if not info["gpu_count"]:
         print("distlab doctor --gpu: no CUDA GPU is visible to torch here, so there is nothing to check on GPUs. "

@@ -4,42 +4,16 @@ The check a learner runs first on a new workstation or laptop:
 
     distlab doctor          # backends, GPUs, world sizes, CPU capability and bf16 speed
     distlab doctor --run    # + a short job on every usable backend
-    distlab doctor --gpu    # the whole course on this machine's GPUs (see distlab.gpucheck)
+    distlab doctor --gpu    # the whole course on this machine's GPUs (see distlab.apps.doctor.gpu)
 """
 from __future__ import annotations
 
-import os
-import platform
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def machine() -> dict[str, Any]:
-    """Backend, devices and versions: the `machine` record of every summary."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nccl = None
-    if gpus and dist.is_nccl_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    return {
-        "backend": "nccl" if gpus and nccl else "gloo",
-        "device_kind": torch.cuda.get_device_name(0) if gpus else "cpu",
-        "device_count": gpus if gpus else 1,
-        "gpu_count": gpus,
-        "nccl_version": nccl,
-        "gloo_available": dist.is_gloo_available(),
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_native_bf16": _cpu_native_bf16(),
-    }
-
-
-def _cpu_native_bf16() -> bool:
-    from distlab.precision import _cpu_native_bf16 as native
-    return native()
+from distlab.engine.machine import machine
 
 
 def world_sizes(info: dict[str, Any]) -> dict[str, list[int]]:
@@ -56,7 +30,7 @@ def _all_reduce_job() -> dict[str, Any]:
     """Each rank contributes rank+1; every rank must end with N(N+1)/2. On CUDA,
     the memory meter must agree with the allocator on a known allocation."""
     from distlab.meters import track_memory
-    from distlab.runtime import device, rank, world_size
+    from distlab.engine.runtime import device, rank, world_size
     dev, n = device(), world_size()
     t = torch.full((1024,), float(rank() + 1), device=dev)
     dist.all_reduce(t)
@@ -73,7 +47,7 @@ def _all_reduce_job() -> dict[str, Any]:
 
 def run_checks(info: dict[str, Any]) -> list[str]:
     """Launch a short job on every usable backend; return problems (empty = healthy)."""
-    from distlab.launch import launch
+    from distlab.engine.launch import launch
     problems = []
     plans = []
     if info["gpu_count"] and info["nccl_version"]:
@@ -113,7 +87,7 @@ def doctor(run: bool = False) -> int:
         print("Nothing can run: this torch has neither NCCL with GPUs nor gloo. "
               "Install a torch build with distributed support (pip install torch).")
         return 1
-    from distlab.precision import bf16_speed_ratio, compute_dtype
+    from distlab.engine.precision import bf16_speed_ratio, compute_dtype
     ratio = bf16_speed_ratio()
     native = "native bf16" if info["cpu_native_bf16"] else "no native bf16"
     print(f"CPU: {info['cpu_capability']}, {native}; a 512x512 bf16 matmul takes {ratio:.1f}x the fp32 time "
@@ -129,18 +103,3 @@ def doctor(run: bool = False) -> int:
         print(f"PROBLEM {p}")
     print("healthy" if not problems else f"{len(problems)} problem(s)")
     return 1 if problems else 0
-
-
-def add_parser(sub):
-    d = sub.add_parser("doctor", help="what this machine can run (backend, GPUs, bf16, world sizes)")
-    d.add_argument("--run", action="store_true", help="also launch a short job on every usable backend")
-    d.add_argument("--gpu", action="store_true",
-                   help="check the whole course on this machine's GPUs: NCCL, GPU tests, every chapter (minutes)")
-    return d
-
-
-def run(args) -> int:
-    if args.gpu:
-        from distlab.gpucheck import gpu_check
-        return gpu_check()
-    return doctor(run=args.run)

@@ -30,17 +30,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-import distlab
+from distlab.engine import runtime as rt
+from distlab.meters.records import record
 from distlab.bench.race import RaceResult, race
 from distlab.meters import model_state, track_comm, track_memory
-from distlab.models import PRESETS, build_model, lm_loss, split_batch, synthetic_batch
+from distlab.course.models import PRESETS, build_model, lm_loss, split_batch, synthetic_batch
 
 
 # ---- which world sizes, which backend ----------------------------------------------------------------
 
 def backend_for(world_size: int) -> str:
     """The backend `distlab.launch` picks for `world_size` ranks on this machine (without launching)."""
-    from distlab.launch import gpu_count
+    from distlab.engine.launch import gpu_count
     if gpu_count() >= world_size and torch.distributed.is_nccl_available():
         return "nccl"
     return "gloo"
@@ -100,7 +101,7 @@ class Strategy:
 
 
 def _batch(step: int, batch_size: int, preset: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return split_batch(synthetic_batch(step, batch_size, PRESETS[preset]), distlab.rank(), distlab.world_size())
+    return split_batch(synthetic_batch(step, batch_size, PRESETS[preset]), rt.rank(), rt.world_size())
 
 
 def measure(build: Callable[[str, torch.nn.Module], Strategy], name: str, *, preset: str, dtype: torch.dtype,
@@ -121,7 +122,7 @@ def measure(build: Callable[[str, torch.nn.Module], Strategy], name: str, *, pre
         model = build_model(preset, seed=seed).to(dtype)
         strategy = build(name, model)
         for step in range(steps):
-            distlab.runtime.progress(f"measuring {name}: step {step} of {steps}")
+            rt.progress(f"measuring {name}: step {step} of {steps}")
             x, y = _batch(step, batch_size, preset)
             with track_comm() as comm:
                 strategy.step(x, y)
@@ -132,7 +133,7 @@ def measure(build: Callable[[str, torch.nn.Module], Strategy], name: str, *, pre
     params = {k: v.detach().float().clone() for k, v in model.named_parameters()}
     seconds = None
     if timed:
-        distlab.runtime.progress(f"timing {name} alone")
+        rt.progress(f"timing {name} alone")
 
         def one_step() -> None:
             strategy.step(x, y)
@@ -156,7 +157,7 @@ def race_strategies(build: Callable[[str, torch.nn.Module], Strategy], names: Se
             strategy.zero_grad()
         return step
 
-    distlab.runtime.progress(f"racing {', '.join(names)}")
+    rt.progress(f"racing {', '.join(names)}")
     return race({name: one(s) for name, s in built.items()}, repeats=repeats, budget_s=budget_s)
 
 
@@ -177,7 +178,7 @@ def record_strategy(name: str, *, world_size: int, num_params: int, recipe: str,
                     predicted_comm_bytes_per_step: float, samples_per_s: float,
                     max_abs_param_diff_vs_single: float, **extra: Any) -> dict[str, Any]:
     """One record in the tour's "strategies" section (rank 0's figures), with the backend it ran on."""
-    return distlab.record(
+    return record(
         "strategies", name=name, world_size=world_size, num_params=num_params, recipe=recipe, preset=preset,
         backend=backend_for(world_size),
         model_state_bytes=components(measured["state"]), peak_bytes=measured["peak"],

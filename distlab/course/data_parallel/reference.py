@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from distlab.models import PRESETS, build_model, lm_loss, synthetic_batch
+from distlab.course.models import PRESETS, build_model, lm_loss, synthetic_batch
 
 VARIANTS = ("plain", "frozen", "tied")
 

@@ -25,8 +25,8 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.nn as nn
 
-from distlab.collectives import chunk_bounds
-from distlab.models import GPT, GPTConfig, build_model
+from distlab.course.collectives import chunk_bounds
+from distlab.course.models import GPT, GPTConfig, build_model
 
 
 def stage_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -67,7 +67,7 @@ class Stage(nn.Module):
         return name
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        from distlab.precision import compute_dtype
+        from distlab.engine.precision import compute_dtype
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         return x.to(compute_dtype(x.dtype, x.device))
 
@@ -95,12 +95,12 @@ def activation_shape(config: GPTConfig, micro_batch: int) -> tuple[int, int, int
 def activation_dtype(config: GPTConfig, device: torch.device | str | None = None,
                      storage: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of the hidden states between stages: the compute dtype of the model's weights."""
-    from distlab.precision import compute_dtype
+    from distlab.engine.precision import compute_dtype
     return compute_dtype(storage, device)
 
 
 def stage_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of one micro-batch (what `distlab.models.lm_loss` computes)."""
+    """Mean next-token cross-entropy of one micro-batch (what `distlab.course.models.lm_loss` computes)."""
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
@@ -113,7 +113,7 @@ def activation_bytes(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     `distlab.meters.track_memory` after one untimed forward and backward (workspaces, lazy state).
     """
     from distlab.meters import track_memory
-    from distlab.runtime import device
+    from distlab.engine.runtime import device
     config = stage.config
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """What DTensor and `torch.distributed.tensor.parallel` do on this machine's backend: measured, not assumed.
 
-    from distlab.dtensor_probe import probe
+    from distlab.course.tensor_parallel.dtensor_probe import probe
     for name, (ok, detail) in distlab.launch(probe, 4)[0].items(): ...
 
 Each probe runs one feature on real ranks and compares it with a single-process
@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import distlab
+from distlab.engine import runtime as rt
+from distlab.engine.launch import launch
 from distlab.meters import track_comm
-from distlab.tp import build_tp_model
+from distlab.course.tensor_parallel.model import build_tp_model
 
 
 def _try(fn: Callable[[], str]) -> tuple[bool, str]:
@@ -38,8 +39,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> str:
 
 def _redistribute() -> str:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    m, n = distlab.mesh(), distlab.world_size()
-    full = torch.arange(8.0 * n, device=distlab.device()).view(2 * n, 4)
+    m, n = rt.mesh(), rt.world_size()
+    full = torch.arange(8.0 * n, device=rt.device()).view(2 * n, 4)
     kinds = []
     for src, dst in (((Shard(0),), (Replicate(),)), ((Partial(),), (Replicate(),)),
                      ((Partial(),), (Shard(0),)), ((Shard(0),), (Shard(1),))):
@@ -76,12 +77,12 @@ def _tp_block(sp: bool) -> str:
     from torch.distributed.tensor.parallel import parallelize_module
     ref = build_tp_model("tp-tiny", seed=1).blocks[0]
     model = build_tp_model("tp-tiny", seed=1).blocks[0]
-    m = distlab.mesh()
+    m = rt.mesh()
     parallelize_module(model, m, _plan(sp))
-    x = torch.randn(2, 16, 32, device=distlab.device(), generator=None)
+    x = torch.randn(2, 16, 32, device=rt.device(), generator=None)
     dist.broadcast(x, 0)
     ref_out = ref(x)
-    r, t = distlab.rank(), distlab.world_size()
+    r, t = rt.rank(), rt.world_size()
     xin = x.chunk(t, dim=1)[r] if sp else x         # SP: each rank holds its slice of the sequence
     with track_comm() as meter:
         out = model(xin)
@@ -101,9 +102,9 @@ def _loss_parallel() -> str:
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
     ref = build_tp_model("tp-tiny", seed=2)
     model = build_tp_model("tp-tiny", seed=2)
-    parallelize_module(model, distlab.mesh(), {"head": ColwiseParallel(output_layouts=Shard(-1),
+    parallelize_module(model, rt.mesh(), {"head": ColwiseParallel(output_layouts=Shard(-1),
                                                                         use_local_output=False)})
-    idx = torch.randint(0, 64, (2, 16), device=distlab.device())
+    idx = torch.randint(0, 64, (2, 16), device=rt.device())
     dist.broadcast(idx, 0)
     y = idx.roll(-1, 1)
     want = F.cross_entropy(ref(idx).flatten(0, 1), y.flatten())
@@ -116,16 +117,16 @@ def _loss_parallel() -> str:
 def _fsdp_tp_2d() -> str:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
-    if distlab.world_size() != 4:
+    if rt.world_size() != 4:
         raise RuntimeError("needs 4 ranks")
-    mesh = distlab.mesh(2, 2, names=("dp", "tp"))
+    mesh = rt.mesh(2, 2, names=("dp", "tp"))
     ref = build_tp_model("tp-tiny", seed=3)
     model = build_tp_model("tp-tiny", seed=3)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], _plan(False))
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    idx = torch.randint(0, 64, (4, 16), device=distlab.device())
+    idx = torch.randint(0, 64, (4, 16), device=rt.device())
     dist.broadcast(idx, 0)
     dp = mesh["dp"].get_local_rank()
     mine = idx[2 * dp:2 * dp + 2]
@@ -138,22 +139,22 @@ def _fsdp_tp_2d() -> str:
 
 
 def _bf16_all_reduce() -> str:
-    x = torch.ones(8, dtype=torch.bfloat16, device=distlab.device())
+    x = torch.ones(8, dtype=torch.bfloat16, device=rt.device())
     dist.all_reduce(x)
-    _close(x, torch.full_like(x, distlab.world_size()))
+    _close(x, torch.full_like(x, rt.world_size()))
     return "exact"
 
 
 def _context_parallel() -> str:
     from torch.distributed.tensor.experimental import context_parallel
-    m, n = distlab.mesh(), distlab.world_size()
-    q = torch.randn(1, 2, 8 * n, 8, device=distlab.device())
+    m, n = rt.mesh(), rt.world_size()
+    q = torch.randn(1, 2, 8 * n, 8, device=rt.device())
     dist.broadcast(q, 0)
     want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     qs = q.clone()
     with context_parallel(m, buffers=[qs], buffer_seq_dims=[2]):
         out = F.scaled_dot_product_attention(qs, qs, qs, is_causal=True)
-    r = distlab.rank()
+    r = rt.rank()
     return _close(out, want.chunk(n, 2)[r])
 
 
@@ -176,12 +177,12 @@ def probe() -> dict[str, tuple[bool, str]]:
         logging.getLogger(name).setLevel(logging.ERROR)
     out = {}
     for name, fn in PROBES.items():
-        distlab.runtime.progress(f"probe: {name}")
+        rt.progress(f"probe: {name}")
         out[name] = _try(fn)
         dist.barrier()
     return out
 
 
 if __name__ == "__main__":
-    for name, (ok, detail) in distlab.launch(probe, 4)[0].items():
+    for name, (ok, detail) in launch(probe, 4)[0].items():
         print(f"{'works' if ok else 'FAILS'}  {name}: {detail}")

@@ -1,10 +1,10 @@
 """Chapter 7's model and measurement helpers: a transformer laid out the way tensor parallelism cuts it.
 
-The course GPT (`distlab.models`) fuses Q, K and V into one `qkv` Linear and
+The course GPT (`distlab.course.models`) fuses Q, K and V into one `qkv` Linear and
 lets SDPA pick a kernel. Tensor parallelism needs the opposite: separate
 projections that can each be split by heads, and an attention core whose
 saved tensors are known, so activation memory can be measured against the
-closed form of `distlab.theory.tensor`. This module holds that model (no
+closed form of `distlab.theory.tensor_parallel`. This module holds that model (no
 parallelism in it), the PyTorch plans that parallelise it, and a meter that
 books traffic per process group.
 
@@ -171,7 +171,7 @@ class Stack(nn.Module):
 
 def set_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Switch a built model between no, selective and full recomputation (in place)."""
-    from distlab.theory.tensor import RECOMPUTE
+    from distlab.theory.tensor_parallel import RECOMPUTE
     if mode not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {mode!r}")
     model.recompute = mode
@@ -191,7 +191,7 @@ def _config(preset: str | TPConfig, overrides: dict) -> TPConfig:
 
 def _build(cls: type, preset: str | TPConfig, seed: int, device: Any, dtype: torch.dtype | None,
            overrides: dict) -> nn.Module:
-    from distlab.models import _device
+    from distlab.course.models import _device
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(_config(preset, overrides))

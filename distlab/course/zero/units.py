@@ -109,7 +109,7 @@ def full_params(module: nn.Module, units: list[Unit]) -> dict[str, torch.Tensor]
 
     A collective (one all-gather per unit, on the shards' device): call it on every rank.
     """
-    from distlab.collectives import all_gather_tensor
+    from distlab.engine.collectives import all_gather_tensor
     n = dist.get_world_size() if dist.is_initialized() else 1
     out = {}
     for unit, names in zip(units, qualified_names(module, units)):

@@ -1,0 +1,4 @@
+"""Chapter 7: a transformer laid out the way tensor parallelism cuts it, and what DTensor does on this backend.
+model (the TP model, PyTorch's plans, per-group traffic), dtensor_probe (DTensor features, measured).
+May import: engine, theory (theory.tensor_parallel holds chapter 7's closed forms), meters, bench, course.
+"""
