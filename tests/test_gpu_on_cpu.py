@@ -1,0 +1,29 @@
+"""The GPU tests' rank functions, run on gloo CPU ranks: what `distlab doctor --gpu` runs must at least run.
+
+tests/test_gpu.py is skipped without CUDA, so a plain mistake in one of its rank functions (a shape
+error, a missing import) would only show on a GPU box, where `doctor --gpu` could then never pass.
+Here each runs on 2 CPU ranks and its device-independent results are checked; the CUDA-only
+assertions stay in test_gpu.py.
+"""
+
+import distlab
+from test_gpu import _ddp_step, _fsdp_step, _memory, _placement, _race, _timelines
+
+
+def _every_rank_function():
+    return {"placement": _placement(), "timelines": _timelines(), "race": _race(), "ddp": _ddp_step(),
+            "fsdp": _fsdp_step(), "memory": _memory() if distlab.rank() == 0 else None}
+
+
+def test_the_gpu_tests_rank_functions_run_on_cpu_ranks(no_orphans):
+    out = distlab.launch(_every_rank_function, 2, backend="gloo")
+    for r, res in enumerate(out):
+        assert res["placement"] == ("gloo", "cpu", 8.0)
+        durations, kinds = res["timelines"]
+        assert len(durations) == 1 and durations[0] > 0 and "compute" in kinds and "comm" in kinds, res["timelines"]
+        assert res["race"] is True
+        where, sent, psi = res["ddp"]
+        assert where == "cpu" and abs(sent - 2 * psi * 4 * (2 - 1) / 2) <= 64, (sent, psi)
+        assert res["fsdp"] == ("cpu", True)
+    current, peak_phase, where = out[0]["memory"]
+    assert where == "cpu" and current == 4 * 2 ** 20 and peak_phase == 2 * 4 * 2 ** 20
