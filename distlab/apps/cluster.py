@@ -212,8 +212,15 @@ def write_records(records: list[dict[str, Any]], params: dict[str, torch.Tensor]
         f.write(json.dumps(merged) + "\n")
     print(f"distlab: {merged['name']} on {merged['world_size']} ranks over {merged['nodes']} node(s): "
           f"{merged['samples_per_s']:.1f} samples/s, {merged['comm_bytes_per_step']} B sent per step per rank "
-          f"({merged['comm_bytes_per_step'] / merged['predicted_comm_bytes_per_step']:.4f}x theory), "
+          f"({_vs_theory(merged['comm_bytes_per_step'], merged['predicted_comm_bytes_per_step'])}), "
           f"max |param - one process| = {merged['max_abs_param_diff_vs_single']:.1e}; records in {out}")
+
+
+def _vs_theory(measured: float, predicted: float) -> str:
+    """measured / predicted as '1.0000x theory'; on one rank both are 0 bytes and there is no ratio to take."""
+    if predicted:
+        return f"{measured / predicted:.4f}x theory"
+    return "theory: 0 on one rank" if not measured else f"theory: 0, yet {measured} B were sent"
 
 
 def main(labs: str | list[str], answers: ModuleType | list[ModuleType], argv: list[str] | None = None) -> int:

@@ -74,7 +74,10 @@ def busbw_sweep(records: Iterable[Mapping[str, Any]], *, title: str = "Bus bandw
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
                 linestyle="-" if impl == "library" else "--", label=f"{op} ({impl})")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if any(y > 0 for pts in lines.values() for _, y in pts):
+        ax.set_yscale("log")
+    else:       # one rank: busbw = algbw x 2(N-1)/N is 0 for every implementation (nothing crosses a wire)
+        title += " (busbw is 0 on one rank)"
     ax.set_xlabel("message size S (bytes)")
     ax.set_ylabel(metric.replace("_GBps", " (GB/s)"))
     ax.set_title(title, fontsize=10)
