@@ -29,21 +29,67 @@ from typing import Any
 
 
 def _notebooks(root: Path) -> list[Path]:
-    from distlab.apps.tour import TOUR_NOTEBOOKS
-    return [root / p for p in ("notebooks/00_launching.ipynb", *TOUR_NOTEBOOKS) if (root / p).exists()]
+    """Every lecture and every solution (the solutions run each lab's graded checks), in chapter order."""
+    return sorted([*root.glob("notebooks/*.ipynb"), *root.glob("solutions/*.ipynb")],
+                  key=lambda p: (p.name[:2], p.parent.name != "notebooks", p.name))
 
 
-def _pytest(args: list[str], env: dict[str, str], junit: Path, timeout: float) -> tuple[int, list[tuple[str, str]]]:
-    """Run pytest; return (exit code, [(test id, 'passed' | 'failed' | 'skipped')])."""
+def _junit_id(book: Path, root: Path) -> str:
+    """The junit classname nbval's items get for `book`: its path from the checkout, dots for slashes."""
+    return ".".join(book.relative_to(root).parts)
+
+
+def results_of(book: Path, root: Path, results: list[tuple[str, str]]) -> list[str]:
+    """The statuses of `book`'s own cells: matched on its whole path, so solutions/08_pipeline is not
+    notebooks/08_pipeline_3d, and a lecture is not the solution of the same name."""
+    mine = _junit_id(book, root) + "::"
+    return [status for test, status in results if test.startswith(mine)]
+
+
+def _end_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop pytest and everything it started (kernels start in sessions of their own, so a process group
+    does not reach them; the process tree does): an interrupt first, so nbval shuts its kernels down and
+    distlab's launches stop their ranks, then a kill for whatever is left."""
+    import signal
+
+    import psutil
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        tree += psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        pass
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=grace_s)
+    proc.wait()
+
+
+def _pytest(args: list[str], env: dict[str, str], junit: Path, timeout: float,
+            cwd: Path | None = None) -> tuple[int, list[tuple[str, str]]]:
+    """Run pytest; return (exit code, [(test id, 'passed' | 'failed' | 'skipped')]); -1 when it ran past
+    `timeout`, and then nothing it started is left running (no kernel or rank keeps holding a GPU)."""
     import importlib.util
     # One pytest process: NCCL ranks of two notebooks at once would share the GPUs (and skew timings).
     serial = ["-n", "0"] if importlib.util.find_spec("xdist") else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *serial, f"--junitxml={junit}", *args]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = -1
+    with open(junit.with_suffix(".log"), "w") as log:          # pytest's own output, beside its junit file
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _end_tree(proc)
+            code = -1
     results = []
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -87,15 +133,15 @@ def gpu_check(root: Path | None = None, out: Path | None = None) -> int:
     env = dict(os.environ, DISTLAB_QUICK="1", DISTLAB_WORLD_SIZE=str(n), DISTLAB_RESULTS=str(out / "results"),
                MPLBACKEND="Agg")
     env.pop("DISTLAB_DEVICE_AUDIT", None)   # the GPU enforces the rule itself
-    code, tests = _pytest(["-m", "gpu", str(root / "tests")], env, out / "gpu-tests.xml", timeout=600)
+    code, tests = _pytest(["-m", "gpu", str(root / "tests")], env, out / "gpu-tests.xml", timeout=600, cwd=root)
     ran = [t for t in tests if t[1] != "skipped"]
     failed = [t for t, s in tests if s == "failed"]
     summary.append((f"GPU-marked tests ({len(ran)} ran)", code == 0 and bool(ran), ", ".join(failed)))
 
     books = _notebooks(root)
-    code, cells = _pytest(["--nbval-lax", *map(str, books)], env, out / "notebooks.xml", timeout=1800)
+    code, cells = _pytest(["--nbval-lax", *map(str, books)], env, out / "notebooks.xml", timeout=1800, cwd=root)
     for book in books:
-        mine = [s for t, s in cells if book.name in t or book.stem in t]
+        mine = results_of(book, root, cells)
         bad = mine.count("failed")
         summary.append((f"{book.relative_to(root)} at N={n}", bool(mine) and bad == 0,
                         f"{bad} cell(s) failed" if bad else ("" if mine else "did not run")))
