@@ -155,7 +155,9 @@ def profile_spans(step: Any, *, compute_prefixes: tuple[str, ...] = ("fwd", "bwd
     Compute spans are the `record_function` ranges whose names start with one
     of `compute_prefixes` (on CUDA, their GPU side when the profiler has it);
     comm spans are gloo's operations on CPU ranks and NCCL's kernels on GPUs.
-    Times are seconds on the profiler's clock, which ranks on one machine share.
+    Times are seconds on `time.perf_counter()`'s clock, as `Timeline`'s are: ranks on one machine share
+    it, so one rank's spans line up with another's even when their profilers started at different times
+    (the profiler's own event times count from each process's trace start).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -172,6 +174,9 @@ def profile_spans(step: Any, *, compute_prefixes: tuple[str, ...] = ("fwd", "bwd
     with profile(activities=activities) as prof:
         step()
         sync()
+    # Event times are microseconds from this process's trace start, which the profiler keeps in Unix-epoch
+    # nanoseconds; shift them onto perf_counter's clock, read against the wall clock now.
+    origin = prof.profiler.kineto_results.trace_start_ns() / 1e9 + (time.perf_counter() - time.time())
     spans = []
     gpu_labels = set()
     if on_cuda:
@@ -179,7 +184,7 @@ def profile_spans(step: Any, *, compute_prefixes: tuple[str, ...] = ("fwd", "bwd
             if _on_device(e) and e.name.startswith(compute_prefixes):
                 gpu_labels.add(e.name)
     for e in prof.events():
-        start, end = e.time_range.start / 1e6, e.time_range.end / 1e6
+        start, end = origin + e.time_range.start / 1e6, origin + e.time_range.end / 1e6
         if on_cuda:
             if _on_device(e) and "nccl" in e.name.lower():
                 spans.append(Span(r, _nccl_name(e.name), "comm", start, end))
