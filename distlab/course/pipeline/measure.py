@@ -1,0 +1,339 @@
+"""Chapter 8's measurements: the rank functions behind the lecture's figures, and their one-process references.
+
+The lecture writes the ideas — the GPipe and 1F1B tables, the `PipelineRunner` that walks them, the
+offloaded optimizer, Megatron's f and g, ZeRO-1 — and passes them in; these functions build the
+stages, run the steps under the meters and return what they measured:
+
+    per_rank = distlab.launch(check_pipeline, 4, PipelineRunner, {"gpipe": gpipe, "1f1b": one_f_one_b}, 6)
+    measured = distlab.launch(sweep, 4, PipelineRunner, schedules, (1, 2, 4), cost, 2)
+    bubble_of(measured, "1f1b", 4)                      # the bubble read off the timelines
+
+Meters: traffic from `track_comm` (algorithmic bytes: point-to-point sends between stages,
+collectives inside a group), memory from `track_memory` (exact on CPU ranks, the allocator on
+GPUs), timelines from `distlab.meters.Timeline` (stages cost a fixed, calibrated sleep:
+`distlab.course.pipeline.stages.FixedCost`), copies between device and host from
+`distlab.course.offload.track_transfers`. Every tensor a rank makes is placed on `rt.device()`;
+the one-process references run on the CPU.
+"""
+from __future__ import annotations
+
+import statistics
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab.course.models import PRESETS, build_model, lm_loss, num_params, synthetic_batch
+from distlab.course.offload import host_device_split, track_transfers
+from distlab.course.pipeline.stages import (FixedCost, Stage, activation_bytes, activation_dtype, activation_shape,
+                                            bubble, build_stage, busy_per_microbatch, stage_loss, step_window)
+from distlab.engine import runtime as rt
+from distlab.engine.precision import MixedPrecisionAdam
+from distlab.meters import Timeline, model_state, time_call, track_comm, track_memory
+
+# A schedule: (stages p, micro-batches m, rank r) -> [("F", i), ("B", i), ...], rank r's actions in order.
+Schedule = Callable[[int, int, int], list]
+
+
+def pipeline_runner(runner: type, stage: nn.Module, micro: int) -> Any:
+    """`runner(stage, prev=, next=, shape=)` for this rank in a pipeline of all the ranks: its neighbours
+    are ranks r - 1 and r + 1 (None at the ends); one micro-batch of `micro` rows crosses each boundary."""
+    r, p = rt.rank(), rt.world_size()
+    return runner(stage, prev=r - 1 if r > 0 else None, next=r + 1 if r < p - 1 else None,
+                  shape=activation_shape(stage.config, micro))
+
+
+# ---- sections 3-5: the hand-written runner ------------------------------------------------------------------
+
+def check_pipeline(runner: type, schedules: Mapping[str, Schedule], m: int, micro: int = 2) -> dict[str, Any]:
+    """One step of each schedule on the 4-block "tiny" model cut into one stage per rank, m micro-batches.
+
+    Per schedule: the mean `loss` (last rank; None elsewhere), `comm`: the point-to-point traffic
+    (one activation per micro-batch forward, its gradient back, per stage boundary), and `grads`:
+    this stage's gradients under their names in the whole model.
+    """
+    r, p = rt.rank(), rt.world_size()
+    x, y = synthetic_batch(0, m * micro, PRESETS["tiny"])
+    out = {}
+    for name, schedule in schedules.items():
+        stage = build_stage("tiny", r, p, n_layers=4)
+        with track_comm() as comm:
+            loss = pipeline_runner(runner, stage, micro).step(schedule(p, m, r), m, x if r == 0 else None,
+                                                              y if r == p - 1 else None)
+        out[name] = {"loss": loss, "comm": comm.stats(),
+                     "grads": {stage.full_names[n]: q.grad for n, q in stage.named_parameters()}}
+    return out
+
+
+def stage_compute_s(repeats: int) -> float:
+    """Seconds of one middle stage's forward + backward (one block, a micro-batch of 2 rows): the fastest of
+    `repeats` calls, the least disturbed by other processes. Nothing crosses a wire."""
+    stage = build_stage("tiny", 1, 4, n_layers=4)          # a middle stage: one block
+    h = torch.randn(activation_shape(stage.config, 2), device=rt.device(), requires_grad=True)
+    return min(time_call(lambda: stage(h).sum().backward(), repeats=repeats, warmup=2))
+
+
+def sweep(runner: type, schedules: Mapping[str, Schedule], ms: Sequence[int], cost: float, repeats: int,
+          micro: int = 2) -> dict[Any, Any]:
+    """Each schedule for each m, on stages of fixed cost (forward `cost`, backward 2 x `cost`), timed.
+
+    Returns `unit`: the bytes one micro-batch's forward leaves alive on this stage; and for each
+    (schedule name, m) a list of `repeats` runs, each {"spans": this rank's F and B spans on a
+    `Timeline`, "peak": peak bytes of the step}. Gradients are preallocated, so the peak counts
+    activations. One untimed warm-up per schedule. Crosses the wire: activations and their
+    gradients between neighbouring stages.
+    """
+    warnings.filterwarnings("ignore")
+    r, p = rt.rank(), rt.world_size()
+    stage = build_stage("tiny", r, p, n_layers=4)
+    x1, y1 = synthetic_batch(0, micro, stage.config)
+    unit = activation_bytes(stage, x1, y1)                   # one micro-batch's activations on this stage
+    for q in stage.parameters():
+        q.grad = torch.zeros_like(q)                          # accumulated in place: the peak is activations
+    timed = FixedCost(stage, cost, cost, cost)
+    run = pipeline_runner(runner, timed, micro)
+    out: dict[Any, Any] = {"unit": unit}
+    for name, schedule in schedules.items():
+        for k, m in enumerate(ms):
+            x, y = synthetic_batch(0, micro * m, stage.config)
+            runs = []
+            for rep in range(repeats + (k == 0)):             # one untimed warm-up per schedule
+                tl = Timeline()
+                timed.reset(tl)
+                dist.barrier()
+                with track_memory() as mem:
+                    run.step(schedule(p, m, r), m, x if r == 0 else None, y if r == p - 1 else None)
+                if rep or k:
+                    runs.append({"spans": tl.finish(), "peak": mem.peak_bytes})
+            out[name, m] = runs
+    return out
+
+
+def bubble_of(per_rank: Sequence[Mapping[Any, Any]], name: str, m: int) -> float:
+    """The bubble of schedule `name` at m micro-batches in a `sweep`: median over the repeats."""
+    runs = zip(*(rank[name, m] for rank in per_rank))
+    return statistics.median(bubble([s for rec in run for s in rec["spans"]]) for run in runs)
+
+
+def timing_of(per_rank: Sequence[Mapping[Any, Any]], name: str, m: int) -> tuple[int, float, float]:
+    """(m, step seconds, busy seconds per micro-batch) of schedule `name` in a `sweep`, medians over the repeats."""
+    runs = [[s for rec in run for s in rec["spans"]] for run in zip(*(rank[name, m] for rank in per_rank))]
+    return (m, statistics.median(step_window(r) for r in runs),
+            statistics.median(busy_per_microbatch(r, m) for r in runs))
+
+
+# ---- section 7: torch.distributed.pipelining ----------------------------------------------------------------
+
+def _timed(pstage: Any, timeline: Timeline, label: Any) -> None:
+    """Record each forward / backward / weight-gradient call of a PipelineStage as a span."""
+    for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+        original = getattr(pstage, method)
+
+        def wrapped(i: int, *args: Any, _original: Any = original, _kind: str = kind, **kwargs: Any) -> Any:
+            if _kind == "B" and kwargs.get("full_backward", True):
+                _kind = "BW"                                # a whole backward: B and W at once
+            with timeline.span(f"{_kind}{i}.{label}"):
+                return _original(i, *args, **kwargs)
+        setattr(pstage, method, wrapped)
+
+
+def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: int = 2) -> dict[str, Any]:
+    """PyTorch's schedules (`torch.distributed.pipelining.schedules`, name -> chunks per rank v) on the
+    8-block "tiny" model in p x v chunks, each with a fixed cost of cost / v for F, B and W.
+
+    Rank r holds chunks r, r + p, ... (ZBV: r and 2p - 1 - r). One untimed step (shapes are inferred
+    there), then one measured step. Per schedule: `spans` (this rank's F, B, W, or BW for a whole
+    backward), mean `loss` (on the rank with the last chunk; None elsewhere), `comm`: the sends and
+    receives between chunks, `grads` under their names in the whole model.
+    """
+    warnings.filterwarnings("ignore")
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as S
+    r, p = rt.rank(), rt.world_size()
+    out = {}
+    for name, v in schedules.items():
+        n = p * v
+        chunks = [r, n - 1 - r] if name == "ScheduleZBVZeroBubble" else [r + k * p for k in range(v)]
+        tl, stages, pstages = Timeline(), [], []
+        for c in chunks:
+            stage = build_stage("tiny", c, n, n_layers=8)
+            stages.append(stage)
+            ps = PipelineStage(FixedCost(stage, cost / v, cost / v, cost / v), c, n, rt.device())
+            _timed(ps, tl, c)
+            pstages.append(ps)
+        sched = getattr(S, name)(pstages[0] if v == 1 else pstages, n_microbatches=m, loss_fn=stage_loss)
+        x, y = synthetic_batch(0, micro * m, stages[0].config)
+        losses: list[Any] = []
+        args = (x,) if 0 in chunks else ()
+        kwargs = {"target": y, "losses": losses} if n - 1 in chunks else {}
+        sched.step(*args, **kwargs)                          # warm-up (shapes are inferred here)
+        for st in stages:
+            st.zero_grad(set_to_none=True)
+        tl.finish().clear()                                  # (on GPUs, finish() reads the CUDA events)
+        losses.clear()
+        dist.barrier()
+        with track_comm() as comm:
+            sched.step(*args, **kwargs)
+        out[name] = {"spans": tl.finish(), "loss": sum(float(v) for v in losses) / m if losses else None,
+                     "comm": comm.stats(),
+                     "grads": {st.full_names[k]: q.grad for st in stages for k, q in st.named_parameters()}}
+    return out
+
+
+def traced_pipeline(m: int, micro: int = 2) -> dict[str, Any]:
+    """`pipeline()` traces the 4-block "tiny" model and cuts it before block 2 (`SplitPoint`); one GPipe step.
+
+    Returns `trace_s`: seconds the tracing took on this rank, `stages`, and the mean `loss` (last rank).
+    """
+    warnings.filterwarnings("ignore")
+    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+    r = rt.rank()
+    model = build_model("tiny", n_layers=4)
+    x, y = synthetic_batch(0, micro * m, model.config)
+    made = {}                                          # a module can be traced once
+    seconds = time_call(lambda: made.setdefault("pipe", pipeline(model, mb_args=(x[:micro],),
+                                                                 split_spec={"blocks.2": SplitPoint.BEGINNING})),
+                        repeats=1, warmup=0)[0]
+    pipe = made["pipe"]
+    sched = ScheduleGPipe(pipe.build_stage(r, rt.device()), m, loss_fn=stage_loss)
+    losses: list[Any] = []
+    sched.step(x) if r == 0 else sched.step(target=y, losses=losses)
+    return {"trace_s": seconds, "stages": pipe.num_stages, "loss": sum(float(v) for v in losses) / m if losses else None}
+
+
+# ---- section 8: offload ----------------------------------------------------------------------------------------
+
+def offload_demo(offload: type, preset: str, steps: int) -> dict[str, Any]:
+    """Model `preset` in bf16 trained by `offload(params, timeline=, lr=)` (the lecture's ZeRO-Offload) beside
+    the same model with `MixedPrecisionAdam` on the device, on the same batches.
+
+    Returns `psi`; `moved`: per step, the bytes copied device -> host during the backward and host ->
+    device during the optimizer step (`track_transfers`); `same`: whether the parameters came out
+    identical; `spans`: the last step's timeline (backward, gradient copies, host Adam); `peaks`: peak
+    bytes of one more step of each under `track_memory`; "offload" and "plain": bytes each keeps on
+    the device and on the host (`host_device_split`). One rank; nothing crosses a network.
+    """
+    model = build_model(preset, seed=0).to(torch.bfloat16)
+    plain_model = build_model(preset, seed=0).to(torch.bfloat16)
+    tl = Timeline()
+    opt = offload(model.parameters(), timeline=tl, lr=1e-3)
+    plain = MixedPrecisionAdam(plain_model.parameters(), lr=1e-3)
+    moved = []
+    for step in range(steps):
+        x, y = synthetic_batch(step, 8, model.config)
+        tl.finish().clear()                                  # keep the last step only
+        with track_transfers(model) as down:
+            with tl.span("backward"):
+                lm_loss(model, x, y).backward()
+        with track_transfers(model) as up:
+            with tl.span("host Adam + copy up"):
+                opt.step()
+        lm_loss(plain_model, x, y).backward()
+        plain.step()
+        if step < steps - 1:
+            plain.zero_grad(set_to_none=True)          # the last step's gradients stay: the plain peak
+        moved.append((down.stats()["down_bytes"], up.stats()["up_bytes"]))
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
+    split = {"offload": host_device_split(model, opt), "plain": host_device_split((plain_model, plain))}
+    plain.zero_grad(set_to_none=True)
+    opt.timeline = None                           # the timeline shows the last step above, not this one
+    peaks = {}                                    # one more step of each under the memory meter
+    for name, m_, step_fn in (("offload", model, opt.step), ("plain", plain_model, plain.step)):
+        with track_memory() as mem:               # CUDA: allocator statistics; CPU: every tensor, host too
+            lm_loss(m_, x, y).backward()
+            step_fn()
+        peaks[name] = mem.peak_bytes
+    return {"psi": num_params(model), "moved": moved, "same": same, "spans": tl.finish(), "backend": rt.backend(),
+            "peaks": peaks, **split}
+
+
+def fsdp_offload(preset: str, steps: int) -> dict[str, Any]:
+    """FSDP2 with `CPUOffloadPolicy` on every block and the root, AdamW, 8 rows per step split over the ranks.
+
+    Returns the mean `losses` (all-reduced), `where` the parameter shards live, `state` (`ModelState`
+    at the last step boundary), `moved`: the last step's device <-> host copies, `comm`: its
+    collectives (all-gathers of parameter shards, reduce-scatters of gradients).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from distlab.course.models import split_batch
+    model = build_model(preset, seed=0)
+    policy = CPUOffloadPolicy(pin_memory=rt.device().type == "cuda")
+    for block in model.blocks:
+        fully_shard(block, mesh=rt.mesh(), offload_policy=policy)
+    fully_shard(model, mesh=rt.mesh(), offload_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = split_batch(synthetic_batch(step, 8, model.config), rt.rank(), rt.world_size())
+        with track_transfers(model) as moved, track_comm() as comm:
+            loss = lm_loss(model, x, y)
+            loss.backward()
+        opt.step()
+        state = model_state(model, optimizer=opt)       # at the step boundary, gradients included
+        opt.zero_grad()
+        t = loss.detach().reshape(1).to(rt.device())
+        dist.all_reduce(t)
+        losses.append(t.item() / rt.world_size())
+    where = {str(q.to_local().device) for q in model.parameters()}
+    return {"losses": losses, "where": where, "state": state, "backend": rt.backend(),
+            "moved": moved.stats(), "comm": comm.stats()}
+
+
+# ---- section 9: the 3-D mesh ---------------------------------------------------------------------------------
+
+def train_3d(shape: tuple[int, int, int], steps: int, m: int, micro: int, lr: float, n_layers: int = 4, *,
+             runner: type, block: type, optimizer: type, schedule: Schedule) -> dict[str, Any]:
+    """Train the "tiny" model (bf16) on a ("dp", "pp", "tp") mesh of `shape`, one rank per mesh point.
+
+    The rank keeps its stage (pp coordinate), replaces each block by `block(b, tp_group)` when tp > 1,
+    runs `schedule` through `runner` between its pipeline neighbours (same dp and tp), on its dp
+    replica's m x micro rows, then `optimizer(stage.parameters(), dp_group, lr=lr).step()`.
+    Returns its `coord`, `losses` (last stage; None elsewhere), `state` (the optimizer's
+    `state()`), `comm`: the first step's traffic (all-reduces in tp, sends in pp, reduce-scatter
+    and all-gather in dp), `local_params` and `act_bytes` (bytes per activation element).
+    """
+    warnings.filterwarnings("ignore")
+    names = ("dp", "pp", "tp")
+    mesh = rt.mesh(*shape, names=names)
+    coord = dict(zip(names, mesh.get_coordinate()))
+    dp, pp, tp = shape
+    s = coord["pp"]
+    stage = Stage(build_model("tiny", seed=0, n_layers=n_layers).to(torch.bfloat16), s, pp)
+    if tp > 1:
+        stage.blocks = nn.ModuleList(block(b, mesh.get_group("tp")) for b in stage.blocks)
+    at = lambda k: int(mesh.mesh[coord["dp"], k, coord["tp"]]) if 0 <= k < pp else None   # my pipeline's ranks
+    act_dtype = activation_dtype(stage.config, storage=torch.bfloat16)
+    run = runner(stage, prev=at(s - 1), next=at(s + 1), shape=activation_shape(stage.config, micro), dtype=act_dtype)
+    opt = optimizer(stage.parameters(), mesh.get_group("dp"), lr=lr)
+    rows = m * micro
+    losses, comm = [], None
+    for step in range(steps):
+        x, y = synthetic_batch(step, dp * rows, stage.config)
+        mine = slice(coord["dp"] * rows, (coord["dp"] + 1) * rows)
+        with track_comm() as meter:
+            loss = run.step(schedule(pp, m, s), m, x[mine] if s == 0 else None, y[mine] if s == pp - 1 else None)
+            opt.step()
+        comm = comm or meter.stats()
+        losses.append(loss)
+    return {"coord": coord, "losses": losses, "state": opt.state(), "comm": comm, "backend": rt.backend(),
+            "local_params": sum(q.numel() for q in stage.parameters()),
+            "act_bytes": torch.empty((), dtype=act_dtype, device=rt.device()).element_size()}
+
+
+def reference_bf16(steps: int, batch: int, lr: float, n_layers: int = 4) -> list[float]:
+    """One process, the whole batch, the same bf16 weights and `MixedPrecisionAdam`, on the CPU: the ground
+    truth for `train_3d`. The loss of each step."""
+    model = build_model("tiny", seed=0, n_layers=n_layers, device="cpu").to(torch.bfloat16)
+    opt = MixedPrecisionAdam(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = synthetic_batch(step, batch, model.config, device="cpu")
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,302 @@
+"""Chapter 7's measurements: the rank functions behind the lecture's figures, and their one-process references.
+
+Each function runs inside `distlab.launch` on the chapter's model (`distlab.course.tensor_parallel.model`)
+and returns raw measurements; the notebook compares them with the closed forms of
+`distlab.theory.tensor_parallel` and writes the records:
+
+    acts = distlab.launch(zero3_activations, 4, points, 256, d_model=64, n_heads=8, n_layers=2,
+                          dtype=torch.float32)[0]       # bytes kept for backward under ZeRO-3
+    run = distlab.launch(tp_model_run, 4, "tp-medium", 8, 5, 15, 30)[0]   # PyTorch's TP, trained
+    ref = distlab.launch(one_process_losses, 1, "tp-medium", 8, 5)[0]     # the same, one process
+
+Meters: memory from `track_memory` (bytes autograd keeps, exact on CPU ranks), traffic from
+`track_comm` (algorithmic bytes each rank sends, per collective), per process group from
+`track_comm_by_group`, times from `distlab.bench.race` (barrier and device sync around every
+call, the slowest rank's time). Every tensor a rank makes is placed on `rt.device()`, except in the
+one-process references, which run on the CPU. The hand-written attentions of section 5 (ring,
+Ulysses) are the lesson: they stay in the notebook and come in as arguments of `cp_run`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from distlab.bench.race import race
+from distlab.course.models import lm_loss, synthetic_batch
+from distlab.course.tensor_parallel.model import (TP_PRESETS, TPConfig, attention_core, build_stack, build_tp_model,
+                                                  parallelize_blocks, set_recompute, torch_block_plan,
+                                                  track_comm_by_group)
+from distlab.engine import runtime as rt
+from distlab.meters import model_state, track_comm, track_memory
+
+
+# ---- section 1: activations under ZeRO-3 ----------------------------------------------------------------
+
+def zero3_activations(points: Sequence[tuple[int, int, str]], smax: int, *, d_model: int, n_heads: int,
+                      n_layers: int, dtype: torch.dtype, dropout: float = 0.1) -> list[dict[str, Any]]:
+    """Bytes a stack of blocks under `fully_shard` (ZeRO-3) keeps for backward, per (S, B, recompute) point.
+
+    `points`: (sequence length S, rows per rank B, recompute mode "none" / "selective" / "full");
+    `smax`: the longest S (the causal masks' size). Measured: the bytes still allocated right after
+    forward (`kept`). Crosses the wire: FSDP2's all-gathers and reduce-scatters of the weights,
+    which the measurement does not count.
+    """
+    from torch.distributed.fsdp import fully_shard
+    dev = rt.device()
+    cfg = TPConfig(seq_len=smax, d_model=d_model, n_heads=n_heads, n_layers=n_layers, dropout=dropout)
+    model = build_stack(cfg, seed=0, dtype=dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=rt.mesh())
+    fully_shard(model, mesh=rt.mesh())
+    out = []
+    for i, (s, b, mode) in enumerate(points):
+        set_recompute(model, mode)
+        x = torch.randn(b, s, d_model, device=dev, dtype=dtype, requires_grad=True)
+        if i == 0:
+            model(x).sum().backward()                   # warm-up: FSDP2's lazy initialisation, the allocator
+        with track_memory() as mem:
+            y = model(x)
+            kept = mem.current_bytes                    # what forward left for backward
+            y.sum().backward()
+        out.append(dict(s=s, b=b, mode=mode, kept=kept))
+    return out
+
+
+# ---- section 2: tensor parallelism with PyTorch's parallel styles --------------------------------------
+
+def tp_parts(batch: int, preset: str = "tp-small") -> dict[str, dict[str, Any]]:
+    """One block under `torch_block_plan()` on every rank, attention and MLP apart.
+
+    For each part: the collectives of forward (`fwd`) and of backward (`bwd`) as `CommStats`
+    (what crosses the wire: one all-reduce of B x S x h each), and the largest difference of the
+    output (`dy`) and of the input gradient (`dx`) from the unsharded block on the same input.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+    cfg, dev = TP_PRESETS[preset], rt.device()
+    ref = build_tp_model(cfg, seed=1).blocks[0]
+    blk = build_tp_model(cfg, seed=1).blocks[0]
+    parallelize_module(blk, rt.mesh(), torch_block_plan())
+    out = {}
+    for part in ("attn", "mlp"):
+        x = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(2)).to(dev)
+        xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with track_comm() as fwd:
+            y = getattr(blk, part)(xt)
+        with track_comm() as bwd:
+            y.sum().backward()
+        want = getattr(ref, part)(xr)
+        want.sum().backward()
+        out[part] = dict(fwd=fwd.stats(), bwd=bwd.stats(), dy=(y - want).abs().max().item(),
+                         dx=(xt.grad - xr.grad).abs().max().item())
+    return out
+
+
+def tp_model_run(preset: str, batch: int, steps: int, repeats: int, budget_s: float) -> dict[str, Any]:
+    """PyTorch's TP on every block of model `preset`: activations, a few training steps, a race.
+
+    Returns `act`: bytes the blocks alone keep for backward (`build_stack`, same plan);
+    `peak`: peak bytes of the last training step, the model's construction counted (SGD with
+    momentum); `state`: the `ModelState` after the last step; `comm`: that step's `CommStats`
+    (the TP all-reduces of activations, 4 per block, forward and backward); `losses` per step;
+    `seconds`: median seconds of one training step (`race`, `repeats` at most, `budget_s` cap).
+    """
+    cfg, dev = TP_PRESETS[preset], rt.device()
+    stack = parallelize_blocks(build_stack(preset, seed=1), rt.mesh())
+    x = torch.randn(batch, cfg.seq_len, cfg.d_model, device=dev, requires_grad=True)
+    with track_memory() as mem:
+        y = stack(x)
+        act = mem.current_bytes
+        y.sum().backward()
+    with track_memory() as mem:                         # built inside: the weights count in the peak
+        model = parallelize_blocks(build_tp_model(preset, seed=0), rt.mesh())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for step in range(steps):
+            xb, yb = synthetic_batch(step, batch, cfg)
+            if step == steps - 1:
+                mem.reset_peak()
+            with track_comm() as comm:
+                loss = lm_loss(model, xb, yb)
+                loss.backward()
+            opt.step()
+            state = model_state(model, optimizer=opt)
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    xb, yb = synthetic_batch(0, batch, cfg)
+
+    def step() -> None:
+        lm_loss(model, xb, yb).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    timing = race({"tp_torch": step}, repeats=repeats, budget_s=budget_s)
+    return dict(act=act, peak=mem.peak_bytes, state=state, comm=comm.stats(), losses=losses,
+                seconds=timing.median("tp_torch"))
+
+
+def one_process_losses(preset: str, batch: int, steps: int, adam: bool = False) -> list[float]:
+    """The reference: model `preset` trained in one process on the whole batch, on the CPU (nothing crosses
+    a wire). SGD with momentum as `tp_model_run`, or AdamW (`adam`) as `two_d`; the loss of each step."""
+    cfg = TP_PRESETS[preset]
+    model = build_tp_model(preset, seed=0, device="cpu")
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if adam
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    losses = []
+    for step in range(steps):
+        xb, yb = synthetic_batch(step, batch, cfg, device="cpu")
+        loss = lm_loss(model, xb, yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+# ---- section 3: ZeRO-3 or TP on the same block ------------------------------------------------------------
+
+def zero3_vs_tp(rows_per_rank: Sequence[int], preset: str = "tp-small") -> list[dict[str, int]]:
+    """One block of `preset`, forward and backward, under ZeRO-3 (`fully_shard`, each rank its rows) and
+    under TP (`parallelize_blocks`, every rank all the rows), for each number of rows per rank.
+
+    Per point: `tokens` in the global batch, and the bytes this rank sent for each: ZeRO-3 moves the
+    block's weights and gradients (all-gathers, a reduce-scatter), TP the activations (all-reduces).
+    """
+    from torch.distributed.fsdp import fully_shard
+    n, dev, cfg = rt.world_size(), rt.device(), TP_PRESETS[preset]
+    z3 = build_stack(cfg, seed=0, n_layers=1)
+    fully_shard(z3.blocks[0], mesh=rt.mesh())
+    fully_shard(z3, mesh=rt.mesh())
+    tp = parallelize_blocks(build_stack(cfg, seed=0, n_layers=1), rt.mesh())
+    out = []
+    for rows in rows_per_rank:
+        x = torch.randn(n * rows, cfg.seq_len, cfg.d_model, device=dev)
+        mine = x.chunk(n, 0)[rt.rank()]
+        with track_comm() as zc:
+            z3(mine).sum().backward()
+        with track_comm() as tc:
+            tp(x).sum().backward()
+        out.append(dict(tokens=n * rows * cfg.seq_len, zero3=zc.stats().total_bytes, tp=tc.stats().total_bytes))
+    return out
+
+
+# ---- section 4: sequence parallelism ----------------------------------------------------------------------
+
+def sp_run(preset: str, batch: int, steps: int, repeats: int, budget_s: float) -> dict[str, Any]:
+    """PyTorch's SP plan (`torch_block_plan(sp=True)`) on a stack of `preset` blocks, each rank its slice
+    of the sequence.
+
+    Returns `acts`: bytes kept for backward without SP (key False) and with it (True); `comm`: the
+    last training step's forward + backward traffic (all-gathers and reduce-scatters along the
+    sequence); `opt_comm`: its optimizer step's (the all-reduce of the replicated LayerNorm
+    gradients, left `Partial`); `params`: every parameter after `steps` SGD steps on a regression
+    loss, whole (`full_tensor`); `data`: the (input, target) batches, for `sp_reference`;
+    `seconds`: median seconds of forward + backward (`race`).
+    """
+    cfg, r, t, dev = TP_PRESETS[preset], rt.rank(), rt.world_size(), rt.device()
+    acts = {}
+    for sp in (False, True):
+        stack = parallelize_blocks(build_stack(preset, seed=1), rt.mesh(), sp=sp)
+        x = torch.randn(batch, cfg.seq_len, cfg.d_model, device=dev)
+        x = (x.chunk(t, 1)[r] if sp else x).contiguous().requires_grad_()
+        with track_memory() as mem:
+            y = stack(x)
+            acts[sp] = mem.current_bytes
+            y.sum().backward()
+    model = parallelize_blocks(build_stack(preset, seed=0), rt.mesh(), sp=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(batch, cfg.seq_len, cfg.d_model, generator=g),
+             torch.randn(batch, cfg.seq_len, cfg.d_model, generator=g)) for _ in range(steps)]
+    for step, (x, target) in enumerate(data):
+        x, target = (z.chunk(t, 1)[r].contiguous().to(dev) for z in (x, target))
+        with track_comm() as comm:
+            loss = ((model(x) - target) ** 2).sum() / (batch * cfg.seq_len * cfg.d_model)
+            loss.backward()
+        with track_comm() as opt_comm:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    full = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for k, p in model.named_parameters()}
+    x0 = data[0][0].chunk(t, 1)[r].contiguous().to(dev)
+
+    def step() -> None:
+        model(x0).sum().backward()
+        opt.zero_grad(set_to_none=True)
+
+    timing = race({"sp": step}, repeats=repeats, budget_s=budget_s)
+    return dict(acts=acts, comm=comm.stats(), opt_comm=opt_comm.stats(), params=full, data=data,
+                seconds=timing.median("sp"))
+
+
+def sp_reference(data: Sequence[tuple[torch.Tensor, torch.Tensor]], preset: str = "tp-small") -> dict[str, torch.Tensor]:
+    """`sp_run`'s training in one process on the whole sequence, on the CPU: the parameters after the steps."""
+    ref = build_stack(preset, seed=0, device="cpu")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, target in data:
+        ((ref(x) - target) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: p.detach() for k, p in ref.named_parameters()}
+
+
+# ---- section 5: context parallelism -------------------------------------------------------------------------
+
+def cp_run(attentions: dict[str, Callable[..., torch.Tensor]], batch: int, heads: int, seq: int, hd: int,
+           repeats: int, budget_s: float) -> dict[str, Any]:
+    """Causal attention over a sequence split in blocks, one per rank, by each of `attentions`
+    (name -> fn(q, k, v) on this rank's (B, heads, seq/cp, hd) blocks, returning its output block).
+
+    Returns `one_peak`: peak bytes of one process's attention on the whole sequence (the S x S
+    scores); per name: `delta` (largest difference from that), `comm` (`CommStats`: the K, V blocks
+    a ring sends, or the all-to-alls of Ulysses) and `peak` bytes; `seconds`: median seconds per
+    call of each (`race`, this rank's view of the slowest rank).
+    """
+    r, cp, dev = rt.rank(), rt.world_size(), rt.device()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, hd, generator=g).to(dev) for _ in range(3))
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)
+    with track_memory() as one_mem:
+        want = attention_core(q, k, v, causal).chunk(cp, 2)[r]
+    mine = [z.chunk(cp, 2)[r].contiguous() for z in (q, k, v)]
+    out: dict[str, Any] = {"one_peak": one_mem.peak_bytes}
+    for name, fn in attentions.items():
+        with track_memory() as mem, track_comm() as comm:
+            got = fn(*mine)
+        out[name] = dict(delta=(got - want).abs().max().item(), comm=comm.stats(), peak=mem.peak_bytes)
+    timing = race({name: (lambda fn=fn: fn(*mine)) for name, fn in attentions.items()},
+                  repeats=repeats, budget_s=budget_s)
+    out["seconds"] = {name: timing.median(name) for name in attentions}
+    return out
+
+
+# ---- section 6: FSDP2 x TP on a 2 x 2 mesh -------------------------------------------------------------------
+
+def two_d(preset: str, batch: int, steps: int) -> dict[str, Any]:
+    """Model `preset` on 4 ranks as a ("dp", "tp") = 2 x 2 mesh: `parallelize_blocks` over "tp", then
+    `fully_shard` over "dp"; each DP group trains on its half of the batch (AdamW).
+
+    Returns `state` (`ModelState` after the last step), `by_group`: the last step's bytes per process
+    group and collective (TP groups: all-reduces of activations; DP groups: FSDP2's all-gathers and
+    reduce-scatters of weights), `groups`: this rank's "dp" and "tp" groups, `losses` per step.
+    """
+    from torch.distributed.fsdp import fully_shard
+    mesh = rt.mesh(2, 2, names=("dp", "tp"))
+    cfg = TP_PRESETS[preset]
+    model = parallelize_blocks(build_tp_model(preset, seed=0), mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp_rank, losses = mesh["dp"].get_local_rank(), []
+    for step in range(steps):
+        xb, yb = synthetic_batch(step, batch, cfg)
+        xb, yb = xb.chunk(2, 0)[dp_rank], yb.chunk(2, 0)[dp_rank]       # this DP group's half of the batch
+        with track_comm_by_group() as comm:
+            loss = lm_loss(model, xb, yb)
+            loss.backward()
+        opt.step()
+        state = model_state(model, optimizer=opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    groups = {"dp": tuple(mesh["dp"].mesh.tolist()), "tp": tuple(mesh["tp"].mesh.tolist())}
+    return dict(state=state, by_group=comm.stats(), groups=groups, losses=losses)
