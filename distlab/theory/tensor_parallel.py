@@ -48,6 +48,15 @@ def tp_block_bytes(tokens: float, d_model: int, t: int, *, bytes_per_element: fl
     return calls * 2 * (t - 1) / t * tokens * d_model * bytes_per_element
 
 
+def column_gather_bytes(tokens: float, d_out: int, t: int, *, bytes_per_element: float = 2) -> float:
+    """Bytes one rank sends when a column-parallel linear's output is gathered whole (no row-parallel layer after
+    it, as a head whose logits are wanted on every rank): one all-gather of its T x d_out output forward,
+    (t-1)/t x T d_out e. Its backward all-reduces the input gradient (f), as in the MLP, and slices the output
+    gradient locally. So plain TP all-gathers too: whenever a column-parallel output leaves the TP region whole."""
+    _positive(tokens=tokens, d_out=d_out, t=t)
+    return (t - 1) / t * tokens * d_out * bytes_per_element
+
+
 def sp_block_bytes(tokens: float, d_model: int, t: int, *, bytes_per_element: float = 2,
                    backward: bool = True, regather: bool = False) -> float:
     """Bytes one rank sends per block per step with sequence parallelism.

@@ -92,6 +92,33 @@ def tp_parts(batch: int, preset: str = "tp-small") -> dict[str, dict[str, Any]]:
     return out
 
 
+def colwise_gathered(batch: int, preset: str = "tp-small") -> dict[str, Any]:
+    """The MLP's first linear (h -> 4h) alone, column-parallel with its output gathered back to every rank
+    (`ColwiseParallel(output_layouts=Replicate())`: a column-parallel layer *not* followed by a row-parallel one,
+    as a vocabulary-parallel head whose logits are wanted whole).
+
+    Returns the forward and backward `CommStats` (what crosses the wire: an all-gather of the B x S x 4h output
+    forward, the all-reduce of the input gradient backward) and the largest differences of the output (`dy`) and
+    of the input gradient (`dx`) from the unsharded layer.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    cfg, dev = TP_PRESETS[preset], rt.device()
+    ref = build_tp_model(cfg, seed=1).blocks[0].mlp.fc
+    fc = parallelize_module(build_tp_model(cfg, seed=1).blocks[0].mlp.fc, rt.mesh(),
+                            ColwiseParallel(output_layouts=Replicate()))
+    x = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(2)).to(dev)
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with track_comm() as fwd:
+        y = fc(xt)
+    with track_comm() as bwd:
+        y.sum().backward()
+    want = ref(xr)
+    want.sum().backward()
+    return dict(fwd=fwd.stats(), bwd=bwd.stats(), out_numel=y.numel(), dy=(y - want).abs().max().item(),
+                dx=(xt.grad - xr.grad).abs().max().item())
+
+
 def tp_model_run(preset: str, batch: int, steps: int, repeats: int, budget_s: float) -> dict[str, Any]:
     """PyTorch's TP on every block of model `preset`: activations, a few training steps, a race.
 
