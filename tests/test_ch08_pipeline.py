@@ -53,9 +53,9 @@ def test_fixed_cost_sleeps_and_records_forward_and_backward():
     assert h.grad is not None and timed.config is stage.config
     timed.reset()
     assert timed.calls == 0
-    first = next(stage.parameters())
-    assert first._backward_hooks                                       # the weight-gradient sleep
-    assert timed.remove() is stage and not first._backward_hooks
+    last = list(stage.parameters())[-1]
+    assert last._backward_hooks                                        # marks the weight-gradient pass
+    assert timed.remove() is stage and not last._backward_hooks
 
 
 def test_idle_fractions_and_bubble_from_spans():

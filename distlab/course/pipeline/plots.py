@@ -22,11 +22,14 @@ def _phase(name: str) -> tuple[str, str]:
     return name[:i], name[i:]
 
 
-def schedule_chart(spans: Iterable[Any], *, title: str, ax: Any = None) -> Any:
+def schedule_chart(spans: Iterable[Any], *, title: str, ax: Any = None, scale: float = 1e3,
+                   xlabel: str = "time (ms)") -> Any:
     """One row per rank; each compute span a box labelled with its micro-batch (and chunk).
 
     Span names are `F<k>` (forward), `B<k>` (backward; `BW<k>` a full one), `W<k>` (weight
-    gradient), optionally `.<chunk>`; idle time stays white: the bubble.
+    gradient), optionally `.<chunk>`; idle time stays white: the bubble. Times are multiplied by
+    `scale` (seconds -> ms by default; 1 with `xlabel="time (units)"` for a simulated schedule,
+    `distlab.course.pipeline.simulate`).
     """
     rows = [r for r in _rows(spans) if r["kind"] == "compute"]
     if not rows:
@@ -39,14 +42,14 @@ def schedule_chart(spans: Iterable[Any], *, title: str, ax: Any = None) -> Any:
     for r in rows:
         phase, label = _phase(r["name"])
         y = ranks.index(r["rank"])
-        left, width = (r["start"] - t0) * 1e3, (r["end"] - r["start"]) * 1e3
+        left, width = (r["start"] - t0) * scale, (r["end"] - r["start"]) * scale
         ax.barh(y, width, left=left, height=0.8, color=PHASE_COLORS.get(phase, "#999999"),
                 edgecolor="white", linewidth=0.5)
         ax.text(left + width / 2, y, label.split(".")[0], ha="center", va="center", fontsize=6,
                 color="white" if phase in ("B", "BW") else "black")
     ax.set_yticks(range(len(ranks)), [f"rank {k}" for k in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     if own:
         fig.tight_layout()
