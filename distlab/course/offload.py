@@ -177,3 +177,71 @@ def host_device_split(device_side: Any, host_side: Any = ()) -> dict[str, int]:
         return {"device": dev, "host": sum(everything.values()) - dev}
     return {"device": sum(on_device.values()),
             "host": sum(b for k, b in everything.items() if k not in on_device)}
+
+
+class CopyStream:
+    """Device -> host copies that run beside the backward, as DeepSpeed's ZeRO-Offload issues them.
+
+        side = CopyStream()
+        side.copy(host_buffer, p.grad)     # in a gradient hook: returns at once
+        side.wait()                        # before the host reads the buffers (the optimizer step)
+        side.busy                          # [(start, end)] of each copy, on perf_counter's clock (CPU ranks)
+
+    On a GPU: a side `torch.cuda.Stream`. `copy` records an event on the current stream (the kernels
+    that made the gradient), makes the side stream wait for it, issues the copy there with
+    `non_blocking=True` into pinned memory, and tells the allocator the source is in use on the side
+    stream (`record_stream`), so dropping `p.grad` at once is safe. The copy engine then moves the
+    bytes while the compute stream runs the layers before; `wait` blocks the host on each copy's
+    event. Issued on the current stream instead, each copy would sit in the kernel queue between
+    the backward's kernels and delay every kernel after it.
+
+    On CPU ranks there is no copy engine: a worker thread stands in for the side stream (one
+    thread: copies run in issue order, as on a stream), so a copy overlaps the backward on another
+    core. The caller's meters (`track_transfers`, `track_memory`: dispatch modes, which are per
+    thread) are entered in the worker too, so they count these copies as they count any other.
+    """
+
+    def __init__(self, device: Any = None) -> None:
+        from distlab.engine.runtime import device as rank_device
+        self.device = torch.device(device or rank_device())
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.busy: list[tuple[float, float]] = []
+        self._pending: list[Any] = []
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="distlab-copy-stream")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue dst.copy_(src) on the side stream; returns before the copy has run."""
+        if self.cuda:
+            made = torch.cuda.Event()
+            made.record()                                   # on the current (compute) stream
+            self.stream.wait_event(made)
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+            src.record_stream(self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self._pending.append(done)
+            return
+        import time
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        modes = list(_get_current_dispatch_mode_stack())
+
+        def run() -> None:
+            from contextlib import ExitStack
+            with ExitStack() as stack:
+                for mode in modes:
+                    stack.enter_context(mode)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                self.busy.append((t0, time.perf_counter()))
+        self._pending.append(self._worker.submit(run))     # the closure keeps src alive until copied
+
+    def wait(self) -> None:
+        """Block until every queued copy has landed in host memory."""
+        for work in self._pending:
+            work.synchronize() if self.cuda else work.result()
+        self._pending.clear()

@@ -18,6 +18,7 @@ the one-process references run on the CPU.
 from __future__ import annotations
 
 import statistics
+import time
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,6 +29,7 @@ import torch.nn as nn
 from distlab.course.models import PRESETS, build_model, lm_loss, num_params, synthetic_batch
 from distlab.course.offload import host_device_split, track_transfers
 from distlab.course.pipeline.stages import (FixedCost, Stage, activation_bytes, activation_dtype, activation_shape,
+                                            backward_transient_bytes,
                                             bubble, build_stage, busy_per_microbatch, stage_loss, step_window)
 from distlab.engine import runtime as rt
 from distlab.engine.precision import MixedPrecisionAdam
@@ -79,10 +81,12 @@ def sweep(runner: type, schedules: Mapping[str, Schedule], ms: Sequence[int], co
           micro: int = 2) -> dict[Any, Any]:
     """Each schedule for each m, on stages of fixed cost (forward `cost`, backward 2 x `cost`), timed.
 
-    Returns `unit`: the bytes one micro-batch's forward leaves alive on this stage; and for each
+    Returns `unit`: the bytes one micro-batch's forward leaves alive on this stage; `transient`: the
+    bytes one backward adds while it runs (`backward_transient_bytes`); and for each
     (schedule name, m) a list of `repeats` runs, each {"spans": this rank's F and B spans on a
-    `Timeline`, "peak": peak bytes of the step}. Gradients are preallocated, so the peak counts
-    activations. One untimed warm-up per schedule. Crosses the wire: activations and their
+    `Timeline`, "peak": peak bytes of a step}. The timed steps run without the memory meter (its
+    per-operation bookkeeping would add idle time to every slot); one more step per point runs
+    under it. Gradients are preallocated, so the peak counts activations. One untimed warm-up per schedule. Crosses the wire: activations and their
     gradients between neighbouring stages.
     """
     warnings.filterwarnings("ignore")
@@ -90,11 +94,12 @@ def sweep(runner: type, schedules: Mapping[str, Schedule], ms: Sequence[int], co
     stage = build_stage("tiny", r, p, n_layers=4)
     x1, y1 = synthetic_batch(0, micro, stage.config)
     unit = activation_bytes(stage, x1, y1)                   # one micro-batch's activations on this stage
+    transient = backward_transient_bytes(stage, x1, y1)      # what one backward adds while it runs
     for q in stage.parameters():
         q.grad = torch.zeros_like(q)                          # accumulated in place: the peak is activations
     timed = FixedCost(stage, cost, cost, cost)
     run = pipeline_runner(runner, timed, micro)
-    out: dict[Any, Any] = {"unit": unit}
+    out: dict[Any, Any] = {"unit": unit, "transient": transient}
     for name, schedule in schedules.items():
         for k, m in enumerate(ms):
             x, y = synthetic_batch(0, micro * m, stage.config)
@@ -103,12 +108,56 @@ def sweep(runner: type, schedules: Mapping[str, Schedule], ms: Sequence[int], co
                 tl = Timeline()
                 timed.reset(tl)
                 dist.barrier()
-                with track_memory() as mem:
-                    run.step(schedule(p, m, r), m, x if r == 0 else None, y if r == p - 1 else None)
+                run.step(schedule(p, m, r), m, x if r == 0 else None, y if r == p - 1 else None)
                 if rep or k:
-                    runs.append({"spans": tl.finish(), "peak": mem.peak_bytes})
+                    runs.append({"spans": tl.finish()})
+            timed.reset(Timeline())                           # memory: one more step, under the meter
+            dist.barrier()
+            with track_memory() as mem:                       # (its bookkeeping would stretch the timed steps)
+                run.step(schedule(p, m, r), m, x if r == 0 else None, y if r == p - 1 else None)
+            for rec in runs:
+                rec["peak"] = mem.peak_bytes
             out[name, m] = runs
     return out
+
+
+def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: int = 2) -> float:
+    """Seconds one message adds on a pipeline's critical path, measured apart from the sweeps: on 2
+    ranks, `repeats` steps of one micro-batch (m = 1) through `runner`, stages of fixed cost (as
+    `sweep`). Such a step is F on rank 0, F then B on rank 1, B on rank 0, two messages between:
+    hop = (step window - the four spans) / 2, the median. It holds the message (`batch_isend_irecv`
+    and its wait), waking up from the sleep and the runner's bookkeeping between two actions; the
+    schedule model takes it as its per-message latency (`predicted_bubble`).
+    """
+    warnings.filterwarnings("ignore")
+    r, p = rt.rank(), rt.world_size()
+    stage = build_stage("tiny", r, p, n_layers=4)
+    for q in stage.parameters():
+        q.grad = torch.zeros_like(q)
+    timed = FixedCost(stage, cost, cost, cost)
+    run = pipeline_runner(runner, timed, micro)
+    x, y = synthetic_batch(0, micro, stage.config)
+    hops = []
+    for rep in range(repeats + 1):
+        tl = Timeline()
+        timed.reset(tl)
+        dist.barrier()
+        run.step(schedule(p, 1, r), 1, x if r == 0 else None, y if r == p - 1 else None)
+        spans = [None] * p
+        dist.all_gather_object(spans, [(s.start, s.end) for s in tl.finish()])
+        flat = [t for rank in spans for t in rank]
+        window = max(e for _, e in flat) - min(s for s, _ in flat)
+        if rep:
+            hops.append((window - sum(e - s for s, e in flat)) / (2 * (p - 1)))
+    return statistics.median(hops)
+
+
+def predicted_bubble(schedule: Schedule, p: int, m: int, cost: float, hop: float) -> float:
+    """The bubble of `schedule` when F costs `cost`, B 2 `cost` and every message between ranks `hop`
+    seconds: the schedule simulated (`distlab.course.pipeline.simulate`), idle share of its window.
+    With hop = 0 it is (p - 1)/(m + p - 1) for GPipe and 1F1B."""
+    from distlab.course.pipeline.simulate import simulate
+    return bubble(simulate(schedule, p, m, t_f=cost, t_b=2 * cost, t_p2p=hop))
 
 
 def bubble_of(per_rank: Sequence[Mapping[Any, Any]], name: str, m: int) -> float:
@@ -211,7 +260,8 @@ def offload_demo(offload: type, preset: str, steps: int) -> dict[str, Any]:
 
     Returns `psi`; `moved`: per step, the bytes copied device -> host during the backward and host ->
     device during the optimizer step (`track_transfers`); `same`: whether the parameters came out
-    identical; `spans`: the last step's timeline (backward, gradient copies, host Adam); `peaks`: peak
+    identical; `spans`: the last step's timeline (backward, gradient copies, host Adam); `overlap`: the
+    share of the copies' time inside the backward (`copies_inside`; None if no copy span); `peaks`: peak
     bytes of one more step of each under `track_memory`; "offload" and "plain": bytes each keeps on
     the device and on the host (`host_device_split`). One rank; nothing crosses a network.
     """
@@ -236,6 +286,8 @@ def offload_demo(offload: type, preset: str, steps: int) -> dict[str, Any]:
             plain.zero_grad(set_to_none=True)          # the last step's gradients stay: the plain peak
         moved.append((down.stats()["down_bytes"], up.stats()["up_bytes"]))
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
+    last = tl.finish()
+    overlap = copies_inside(last, "copy down", "backward")
     split = {"offload": host_device_split(model, opt), "plain": host_device_split((plain_model, plain))}
     plain.zero_grad(set_to_none=True)
     opt.timeline = None                           # the timeline shows the last step above, not this one
@@ -245,8 +297,21 @@ def offload_demo(offload: type, preset: str, steps: int) -> dict[str, Any]:
             lm_loss(m_, x, y).backward()
             step_fn()
         peaks[name] = mem.peak_bytes
-    return {"psi": num_params(model), "moved": moved, "same": same, "spans": tl.finish(), "backend": rt.backend(),
-            "peaks": peaks, **split}
+    return {"psi": num_params(model), "moved": moved, "same": same, "spans": last, "backend": rt.backend(),
+            "peaks": peaks, "overlap": overlap, **split}
+
+
+def copies_inside(spans: Sequence[Any], copy: str, window: str) -> float | None:
+    """Share of the seconds spent in spans named `copy` that fall inside the span named `window`
+    (None when there are no such copies, e.g. on a GPU, where they run on the copy engine unseen)."""
+    rows = [s if isinstance(s, Mapping) else s.__dict__ for s in spans]
+    win = [(r["start"], r["end"]) for r in rows if r["name"] == window]
+    cps = [(r["start"], r["end"]) for r in rows if r["name"] == copy]
+    total = sum(e - s for s, e in cps)
+    if not win or total <= 0:
+        return None
+    a, b = win[0]
+    return sum(max(0.0, min(e, b) - max(s, a)) for s, e in cps) / total
 
 
 def fsdp_offload(preset: str, steps: int) -> dict[str, Any]:
@@ -286,7 +351,10 @@ def fsdp_offload(preset: str, steps: int) -> dict[str, Any]:
 
 def train_3d(shape: tuple[int, int, int], steps: int, m: int, micro: int, lr: float, n_layers: int = 4, *,
              runner: type, block: type, optimizer: type, schedule: Schedule) -> dict[str, Any]:
-    """Train the "tiny" model (bf16) on a ("dp", "pp", "tp") mesh of `shape`, one rank per mesh point.
+    """Train the "tiny" model (bf16) on a ("pp", "dp", "tp") mesh of `shape` = (pp, dp, tp), one rank per
+    mesh point. The order is the course's one order (the planner's too, torchtitan's): tp innermost
+    (neighbouring ranks, one node: the heaviest, latency-critical traffic), dp next, pp outermost
+    (its point-to-point activations are the lightest traffic, so its groups may span the slowest links).
 
     The rank keeps its stage (pp coordinate), replaces each block by `block(b, tp_group)` when tp > 1,
     runs `schedule` through `runner` between its pipeline neighbours (same dp and tp), on its dp
@@ -296,15 +364,15 @@ def train_3d(shape: tuple[int, int, int], steps: int, m: int, micro: int, lr: fl
     and all-gather in dp), `local_params` and `act_bytes` (bytes per activation element).
     """
     warnings.filterwarnings("ignore")
-    names = ("dp", "pp", "tp")
+    names = ("pp", "dp", "tp")
     mesh = rt.mesh(*shape, names=names)
     coord = dict(zip(names, mesh.get_coordinate()))
-    dp, pp, tp = shape
+    pp, dp, tp = shape
     s = coord["pp"]
     stage = Stage(build_model("tiny", seed=0, n_layers=n_layers).to(torch.bfloat16), s, pp)
     if tp > 1:
         stage.blocks = nn.ModuleList(block(b, mesh.get_group("tp")) for b in stage.blocks)
-    at = lambda k: int(mesh.mesh[coord["dp"], k, coord["tp"]]) if 0 <= k < pp else None   # my pipeline's ranks
+    at = lambda k: int(mesh.mesh[k, coord["dp"], coord["tp"]]) if 0 <= k < pp else None   # my pipeline's ranks
     act_dtype = activation_dtype(stage.config, storage=torch.bfloat16)
     run = runner(stage, prev=at(s - 1), next=at(s + 1), shape=activation_shape(stage.config, micro), dtype=act_dtype)
     opt = optimizer(stage.parameters(), mesh.get_group("dp"), lr=lr)

@@ -138,6 +138,36 @@ def activation_bytes(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     return int(held)
 
 
+def backward_transient_bytes(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes above one micro-batch's activations while its backward runs on `stage`: the received
+    gradient buffer (the activation's shape; none on the last stage, whose backward starts from its
+    loss), the matrix products' temporaries, the input gradient on its way out. A pipeline's peak is
+    the micro-batches it holds plus this transient of the one backward in progress.
+    Measured like `activation_bytes`: peak of forward + backward minus what the forward left alive.
+    """
+    from distlab.meters import track_memory
+    from distlab.engine.runtime import device
+    config = stage.config
+    for q in stage.parameters():
+        q.grad = torch.zeros_like(q)                      # accumulated in place, as in a pipeline's step
+    for _ in range(2):                                    # the first pass makes lazy state
+        inp = x if stage.is_first else torch.randn(
+            activation_shape(config, x.shape[0]), device=device(), dtype=activation_dtype(config)).requires_grad_()
+        with track_memory() as mem:
+            out = stage(inp)
+            if stage.is_last:
+                out = stage_loss(out, y)
+            held = mem.current_bytes
+            if stage.is_last:
+                out.backward()
+            else:
+                out.backward(torch.randn(out.shape, device=out.device, dtype=out.dtype))
+            peak = mem.peak_bytes
+        del inp, out
+    stage.zero_grad(set_to_none=True)
+    return int(peak - held)
+
+
 # ---- a fixed cost in place of kernels ---------------------------------------------------------------
 
 class _InputGradDone(torch.autograd.Function):
