@@ -9,8 +9,10 @@ Every prediction is a closed form over the model's shape (`ModelSpec`): model
 states per device by pipeline stage (the first stage holds the embeddings, the
 last the head), activations by schedule, bytes each device sends per step in
 each group (dp, tp, pp, cp) and on which link (NVLink inside a node, InfiniBand
-between nodes, by the usual order: tp innermost, then cp, then dp, pp
-outermost), and the bubble. `plan(...)` is one layout; `candidates(...)`
+between nodes, by the course's one mesh order, outermost first (pp, dp, cp, tp):
+tp innermost, then cp, then dp, pp outermost — the heaviest, latency-critical
+traffic on neighbouring ranks of one node, the lightest (pp's point-to-point
+activations) on the groups that span nodes), and the bubble. `plan(...)` is one layout; `candidates(...)`
 enumerates and ranks them. Pure functions: chapter 8 checks them against the
 layouts it measures on CPU ranks.
 
@@ -98,14 +100,33 @@ class Workload:
 
 @dataclass(frozen=True)
 class Cluster:
+    """GPUs and what a training process cannot use of their memory.
+
+    Headroom (defaults, typical orders of magnitude, not measured here): the CUDA context and
+    kernels' workspaces (~0.5 GB per process), NCCL's buffers (NCCL_BUFFSIZE, 4 MiB by default, per
+    channel and peer, for each communicator: dp, tp, pp, cp; ~1 GB), and the caching allocator's
+    fragmentation (a share of the rest that free blocks of the wrong size waste). `mfu`: the share
+    of peak bf16 FLOP/s the step's compute is assumed to reach — an input, not a prediction (real
+    MFU falls with smaller matrices per GPU, i.e. with tp and small micro-batches, and with
+    recomputation); vary it to see which rankings it changes.
+    """
+
     gpus: int
     gpu: GPU = H100
     memory_GB: float | None = None  # default: the GPU's
-    mfu: float = 0.4                # share of peak bf16 FLOP/s the step's compute reaches
+    mfu: float = 0.4                # share of peak bf16 FLOP/s the step's compute reaches (assumed)
+    context_GB: float = 0.5         # CUDA context, cuBLAS/cuDNN workspaces
+    nccl_GB: float = 1.0            # NCCL's communication buffers, all communicators
+    fragmentation: float = 0.05     # share of the remaining memory lost to the allocator's fragmentation
 
     @property
     def memory_bytes(self) -> float:
         return (self.memory_GB or self.gpu.memory_GB) * GB
+
+    @property
+    def usable_bytes(self) -> float:
+        """What the model's states, activations and buffers may fill: memory less the headroom."""
+        return max(0.0, self.memory_bytes - (self.context_GB + self.nccl_GB) * GB) * (1 - self.fragmentation)
 
 
 @dataclass(frozen=True)
@@ -141,11 +162,23 @@ class Plan:
     bubble: float = 0.0
     step_s: float = 0.0
     fits: bool = True
+    buffers: dict[str, list[float]] = field(default_factory=dict)   # per stage: logits, gathered units, fp32 grads
+
+    @property
+    def buffer_bytes(self) -> list[float]:
+        """Per stage: the buffers beside model states and block activations (sum of `buffers`)."""
+        return [sum(v[r] for v in self.buffers.values()) for r in range(len(self.model_state_bytes))]
 
     @property
     def memory_bytes(self) -> float:
-        """The busiest device: model states + activations, maximised over stages."""
-        return max(s + a for s, a in zip(self.model_state_bytes, self.activation_bytes))
+        """The busiest device: model states + activations + buffers, maximised over stages."""
+        extra = self.buffer_bytes
+        return max(s + a + e for s, a, e in zip(self.model_state_bytes, self.activation_bytes, extra))
+
+    @property
+    def frameworks(self) -> str:
+        """Which frameworks can run this layout as it is (2025)."""
+        return frameworks(self.layout)
 
     def link_bytes(self) -> dict[str, float]:
         """Bytes one device of the busiest stage sends per step on each kind of link."""
@@ -199,11 +232,20 @@ def _links(layout: Layout, gpus_per_node: int) -> dict[str, str]:
 
 def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster | None = None, *,
          param_bytes: float = 2, grad_bytes: float = 2, k: float = 12, act_bytes: float = 2,
-         vocab_parallel: bool = True, flash_attention: bool = True) -> Plan:
+         vocab_parallel: bool = True, flash_attention: bool = True, accum_bytes: float = 4) -> Plan:
     """Predictions for one layout (per pipeline stage, for one device of that stage).
 
     `act_bytes`: bytes per activation element (2 for bf16). `flash_attention`: the
     attention scores are never stored (FlashAttention), dropping Korthikanti's 5as/h term.
+    `accum_bytes`: bytes per element of the buffer gradients accumulate in over m micro-batches
+    (4: fp32, as Megatron's main gradients and DeepSpeed's bf16 accumulation; 2 accumulates in the
+    16-bit gradient itself, as the chapter's own ZeRO-1 does).
+
+    Besides model states and block activations, `buffers` holds per stage: "logits" (the last
+    stage's (b, s, V) logits in 16 bits, their fp32 upcast and gradient for one micro-batch, and the
+    fp32 softmax saved for each micro-batch in flight), "gathered" (ZeRO-3: the all-gathered unit in
+    use and the next one prefetched, 2 x the largest unit), "fp32 grads" (accumulation beyond the
+    16-bit gradient). Traffic is algorithmic bytes: each call's size through the ring formula.
     """
     L = layout
     if L.pp > spec.n_layers:
@@ -218,14 +260,37 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     layers = [b - a for a, b in stage_layers(spec.n_layers, L.pp)]
     acts = [activations_in_flight(L.schedule, L.pp, L.m, r) * layers[r] * per_layer for r in stages]
     elems = L.micro_batch * (workload.seq_len / L.cp) * spec.d_model      # one activation b s h
+    tokens_mb = L.micro_batch * workload.seq_len / L.cp                  # b s of one micro-batch
     ring = 2 * (L.tp - 1) / L.tp
+    vp = vocab_parallel and L.tp > 1
+
+    def tp_calls(r: int) -> float:
+        """Bytes of one micro-batch's tp all-reduces on stage r (each call's size)."""
+        calls = 4 * layers[r] * elems * act_bytes                       # f and g around attention and MLP
+        if vp and r == 0:
+            calls += elems * act_bytes                                  # the vocabulary-parallel embedding's g
+        if vp and r == L.pp - 1:
+            calls += elems * act_bytes                                  # the head's f: its input gradient, backward
+            calls += 3 * tokens_mb * 4                                  # cross-entropy: max, sum of exp, target logit (fp32)
+        return calls
+
     traffic = {
         "dp": [dp_bytes(n, L.dp * L.cp, L.zero, grad_bytes, L.m) for n in n_local],   # cp shares dp's gradients
-        "tp": [L.m * (4 * layers[r] + (vocab_parallel and r == 0)) * elems * act_bytes * ring for r in stages],
+        "tp": [L.m * tp_calls(r) * ring for r in stages],
         "pp": [L.m * ((r < L.pp - 1) + (r > 0)) * elems * act_bytes for r in stages],
         # Ring attention passes K and V around the cp ring: forward once, backward twice.
         "cp": [L.m * layers[r] * 3 * 2 * elems * act_bytes * (L.cp - 1) / L.tp for r in stages],
     }
+    vocab_local = spec.vocab_size / (L.tp if vp else 1)
+    last = L.pp - 1
+    logits = [0.0] * L.pp
+    logits[last] = tokens_mb * vocab_local * ((act_bytes + 4 + 4) + 4 * (activations_in_flight(L.schedule, L.pp, L.m, last) - 1))
+    d = spec.d_model
+    unit = max((12 * d * d + 7 * d) // L.tp + 6 * d, spec.vocab_size * d // (L.tp if vocab_parallel else 1))
+    gathered = [2 * unit * param_bytes if L.zero == 3 else 0.0 for _ in stages]
+    accum = [(accum_bytes - grad_bytes) * (n if L.zero < 2 else math.ceil(n / L.dp)) if L.m > 1 else 0.0
+             for n in n_local]
+    buffers = {"logits": logits, "gathered": gathered, "fp32 grads": [max(0.0, a) for a in accum]}
     c = cluster or Cluster(gpus=L.gpus)
     links = _links(L, c.gpu.gpus_per_node)
     bub = bubble_fraction(L.pp, L.m) if L.pp > 1 else 0.0
@@ -236,8 +301,23 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     exposed = sum(max(traffic[g]) / bw[links[g]] for g in ("tp", "pp", "cp"))
     hidden_dp = max(traffic["dp"]) / bw[links["dp"]] - compute * 2 / 3       # overlaps the backward
     step = compute / (1 - bub) + exposed + max(0.0, hidden_dp)
-    p = Plan(L, n_local, states, acts, traffic, links, bub, step)
-    return replace(p, fits=p.memory_bytes <= c.memory_bytes)
+    p = Plan(L, n_local, states, acts, traffic, links, bub, step, buffers=buffers)
+    return replace(p, fits=p.memory_bytes <= c.usable_bytes)
+
+
+def frameworks(layout: Layout) -> str:
+    """Frameworks that offer `layout` as such (2025). ZeRO-2/3 with a pipeline is not offered by
+    DeepSpeed's pipeline engine (ZeRO-1 only) nor by Megatron-LM (its distributed optimizer is
+    ZeRO-1); torchtitan composes FSDP2 (ZeRO-3, or ZeRO-2 with reshard_after_forward=False) with
+    `torch.distributed.pipelining`."""
+    L = layout
+    if L.pp > 1:
+        if L.zero >= 2:
+            return "torchtitan (FSDP2 + pipelining) only"
+        return "Megatron-LM, DeepSpeed pipeline engine, torchtitan"
+    if L.tp > 1 or L.cp > 1:
+        return "Megatron-LM, torchtitan" + (", DeepSpeed (with Megatron's tp)" if L.cp == 1 else "")
+    return "DeepSpeed ZeRO, FSDP2 / torchtitan" + (", Megatron-LM" if L.zero <= 1 else "")
 
 
 def _divisors(n: int) -> list[int]:
@@ -277,13 +357,20 @@ def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_st
 
 
 def markdown(plans: list[Plan], cluster: Cluster | None = None) -> str:
-    """A ranked table: memory per device, bytes per device per step by link, bubble, estimated step."""
-    lines = ["| # | layout | GB per device | fits | NVLink GB/step | IB GB/step | bubble | step (s, est.) |",
-             "|---:|---|---:|:-:|---:|---:|---:|---:|"]
+    """A ranked table: memory per device, bytes per device per step by link, bubble, estimated step,
+    and the frameworks that run the layout. The byte columns are algorithmic bytes (each call's
+    size through the ring formula), not what a profiler would see on the wire."""
+    lines = ["| # | layout | GB per device | fits | NVLink GB/step | IB GB/step | bubble | step (s, est.) | runs on |",
+             "|---:|---|---:|:-:|---:|---:|---:|---:|---|"]
     for i, p in enumerate(plans, 1):
         lb = p.link_bytes()
         lines.append(f"| {i} | {p.layout} | {p.memory_bytes / GB:.1f} | {'yes' if p.fits else 'no'} | "
-                     f"{lb['nvlink'] / GB:.2f} | {lb['ib'] / GB:.2f} | {p.bubble:.2f} | {p.step_s:.2f} |")
+                     f"{lb['nvlink'] / GB:.2f} | {lb['ib'] / GB:.2f} | {p.bubble:.2f} | {p.step_s:.2f} | "
+                     f"{p.frameworks} |")
+    lines.append("")
+    lines.append("GB per device: model states + activations + logits, ZeRO-3's gathered units and fp32 gradient "
+                 "accumulation, against the memory less headroom (CUDA context, NCCL buffers, fragmentation). "
+                 "NVLink / IB: algorithmic bytes (each call's size through the ring formula) one device sends per step.")
     return "\n".join(lines)
 
 
