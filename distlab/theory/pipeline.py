@@ -92,6 +92,18 @@ def activations_in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1)
     raise ValueError(f"unknown schedule {schedule!r}; choose gpipe, 1f1b or interleaved")
 
 
+def peak_activations(schedule: str, p: int, m: int, stage: int, transient: float = 0.0, v: int = 1) -> float:
+    """A stage's peak memory in micro-batches of activations: the micro-batches in flight at the
+    peak (`activations_in_flight`) plus `transient`, the bytes one backward adds while it runs (the
+    received gradient buffer, the matrix products' temporaries, the input gradient on its way out),
+    in units of one micro-batch's activations. The peak falls inside a backward: every schedule
+    runs one while holding its most. Measure `transient` apart
+    (`distlab.course.pipeline.stages.backward_transient_bytes`)."""
+    if transient < 0:
+        raise ValueError(f"transient must be >= 0 micro-batches, got {transient}")
+    return activations_in_flight(schedule, p, m, stage, v) + transient
+
+
 def global_batch(dp: int, m: int, micro_batch: int) -> int:
     """Samples per optimizer step: every data-parallel replica runs m micro-batches."""
     if min(dp, m, micro_batch) < 1:

@@ -58,9 +58,11 @@ def schedule_chart(spans: Iterable[Any], *, title: str, ax: Any = None, scale: f
 
 
 def bubble_vs_m(measured: Mapping[str, Sequence[tuple[int, float]]], theory: Any, *, stages: Sequence[int],
-                title: str, with_overhead: Mapping[int, Any] | None = None) -> Any:
+                title: str, with_overhead: Mapping[int, Any] | None = None,
+                overhead_label: str = "theory + fitted overhead per slot") -> Any:
     """Measured bubble fraction (points, one series per label) vs m, with (p-1)/(m+p-1) as lines;
-    `with_overhead[p]`: m -> the bubble when every slot also carries a fitted overhead (dashed)."""
+    `with_overhead[p]`: m -> a model's bubble with what the formula leaves out (dashed), labelled
+    `overhead_label` (say whether it was fitted to these points or measured apart)."""
     fig, ax = plt.subplots(figsize=(5.8, 3.7))
     ms = sorted({m for pts in measured.values() for m, _ in pts})
     grid = list(range(1, max(ms) + 1))
@@ -70,7 +72,7 @@ def bubble_vs_m(measured: Mapping[str, Sequence[tuple[int, float]]], theory: Any
                 label=f"theory (p-1)/(m+p-1), p={p}")
         if with_overhead and p in with_overhead:
             ax.plot(grid, [with_overhead[p](m) for m in grid], "--", color="black", alpha=shade,
-                    label=f"theory + fitted overhead per slot, p={p}")
+                    label=f"{overhead_label}, p={p}")
     markers = "os^vD"
     for i, (label, pts) in enumerate(measured.items()):
         pts = sorted(pts)
