@@ -1,0 +1,104 @@
+"""Scale by simulation (distlab.course.sim): the fake run books what the real run books, and at 7.5B on
+64 ranks the learner's classes (the shipped solutions) measure the ZeRO paper's table.
+
+The real runs are two gloo launches (N = 2 and 4), each measuring every strategy on the tiny model;
+everything else runs in this process on fake tensors.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import distlab
+from distlab.course import sim
+from distlab.course.models import PRESETS
+from distlab.theory import comm_bytes_per_rank, zero_memory_per_device
+from labkit import answers
+
+CONFIG = PRESETS["tiny"]
+BATCH = 8                      # rows in the global batch: 4 or 2 per rank
+NAMES = list(sim.STRATEGIES)
+
+
+@functools.lru_cache(maxsize=None)
+def classes() -> dict:
+    """The shipped solutions' classes (what a learner who finished labs 3-5 has)."""
+    return {"ShardedOptimizer": answers("03_zero1").ShardedOptimizer, "ZeRO2": answers("04_zero2").ZeRO2,
+            "ZeRO3": answers("05_zero3").ZeRO3}
+
+
+@functools.lru_cache(maxsize=None)
+def scale_table() -> dict[str, sim.SimResult]:
+    return {name: sim.simulate(name, num_params=7.5e9, world_size=64, classes=classes()) for name in NAMES}
+
+
+# ---- fake equals real, to the byte --------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_simulated_bytes_equal_the_gloo_run(n):
+    real = distlab.launch(sim.measure_steps, n, NAMES, CONFIG, classes(), batch_size=BATCH, backend="gloo")[0]
+    for name in NAMES:
+        fake = sim.simulate(name, config=CONFIG, world_size=n, classes=classes(), micro_batch=BATCH // n,
+                            native_bf16=False)
+        got, want = (fake.model_state, fake.peak_bytes, fake.comm), (real[name].model_state,
+                                                                     real[name].peak_bytes, real[name].comm)
+        assert got == want, f"{name} on {n} ranks: simulated {got} != gloo {want}"
+        assert fake.model_state.total > 0 and fake.comm.total_bytes > 0
+
+
+# ---- the seed's table, measured --------------------------------------------------------------------------
+
+def test_7_5b_on_64_ranks_measures_the_zero_table_within_1_percent():
+    table = scale_table()
+    gb = {name: r.model_state.total / 1e9 for name, r in table.items()}
+    for name, r in table.items():
+        assert r.num_params == pytest.approx(7.5e9, rel=1e-3)
+        formula = zero_memory_per_device(r.num_params, 64, sim.STAGE[name])
+        assert r.model_state.total == pytest.approx(formula, rel=0.01), name
+    # the source notes' figures: 120 / 31.4 / 16.6 / 1.9 GB
+    assert [round(gb[n], 1) for n in ("ddp", "zero1", "zero2")] == [120.0, 31.4, 16.6]
+    assert round(gb["zero3"], 1) == round(gb["fsdp2"], 1) == 1.9
+    # ZeRO-2 keeps the bf16 weights whole and 1/N of the rest: its gradient shard is 2 Psi / N
+    assert table["zero2"].model_state.grads == pytest.approx(2 * 7.5e9 / 64, rel=0.01)
+
+
+def test_zero3_sends_3_psi_and_zero1_2_psi_at_scale():
+    table = scale_table()
+    for name in NAMES:
+        r = table[name]
+        assert r.comm_bytes_per_step == pytest.approx(r.predicted_comm_bytes_per_step, rel=0.015), name
+    ratio = table["zero3"].comm_bytes_per_step / table["zero1"].comm_bytes_per_step
+    assert ratio == pytest.approx(1.5, rel=1e-3)
+    assert table["zero3"].comm.calls == {"all_gather": 2 * 38, "reduce_scatter": 38}  # 36 blocks + 2 end units
+    # FSDP2 keeps the root unit (embeddings, head) gathered from forward to backward: a little under 3 Psi
+    assert 1.45 < table["fsdp2"].comm_bytes_per_step / table["zero1"].comm_bytes_per_step < 1.5
+
+
+# ---- a bug the simulation shows ---------------------------------------------------------------------------
+
+def test_a_zero3_that_never_frees_its_gathered_units_peaks_higher():
+    leaky = answers("05_zero3", replace={"_free": "def _leak(self, unit):\n    pass\nZeRO3._free = _leak\n"})
+    config = sim.scale_config(1e9)
+    good = sim.simulate("zero3", config=config, world_size=64, classes=classes())
+    bad = sim.simulate("zero3", config=config, world_size=64, classes={"ZeRO3": leaky.ZeRO3})
+    # every unit stays gathered: the bf16 weights of the whole model (2 Psi) on top of the good peak
+    assert bad.peak_bytes - good.peak_bytes == pytest.approx(2 * good.num_params, rel=0.05)
+    assert bad.model_state == good.model_state
+
+
+def test_a_strategy_without_its_class_says_which_lab_it_needs():
+    with pytest.raises(ValueError, match="ZeRO3 class from lab 05_zero3"):
+        sim.simulate("zero3", num_params=1e8, world_size=8)
+    assert not torch.distributed.is_initialized()
+
+
+def test_scale_config_hits_the_size_with_the_calculator_shape():
+    c = sim.scale_config(7.5e9)
+    assert (c.d_model, c.n_layers, c.n_heads, c.seq_len) == (4096, 36, 32, 2048)
+    for psi in (1e8, 1.3e9, 13e9, 70e9, 175e9):
+        c = sim.scale_config(psi)
+        total = c.n_layers * (12 * c.d_model ** 2 + 13 * c.d_model) + (2 * c.vocab_size + c.seq_len + 2) * c.d_model
+        assert total == pytest.approx(psi, rel=0.01)
+        assert comm_bytes_per_rank(total, 8, 3) > 0
