@@ -196,3 +196,84 @@ def ring_overlap_block_tokens(peak_flops: float, link_GBps: float, *, bytes_per_
 def tp_comm_seconds(tokens: float, d_model: int, t: int, link_GBps: float, *, bytes_per_element: float = 2) -> float:
     """Seconds one block's TP all-reduces take per step if they run at the link's bandwidth."""
     return tp_block_bytes(tokens, d_model, t, bytes_per_element=bytes_per_element) / (link_GBps * 1e9)
+
+
+# ---- peak of a training step (chapter 7's language model, `distlab.course.tensor_parallel.model`) ------------
+
+def lm_params_per_rank(d_model: int, n_layers: int, vocab: int, seq: int, t: int = 1) -> float:
+    """Parameters one rank of a tensor-parallel group holds of chapter 7's language model: the blocks'
+    `tp_block_params_per_rank`, and whole on every rank the token and position embeddings, the final LayerNorm
+    and the (untied) head: 2 V h + S h + 2h."""
+    _positive(d_model=d_model, n_layers=n_layers, vocab=vocab, seq=seq, t=t)
+    h = d_model
+    return n_layers * tp_block_params_per_rank(h, t) + 2 * vocab * h + seq * h + 2 * h
+
+
+def lm_outside_bytes(batch: float, seq: float, d_model: int, vocab: int, *, bytes_per_element: float = 4,
+                     loss_bytes_per_element: float = 4) -> float:
+    """Bytes a rank holds outside the blocks when backward starts (replicated under TP, not divided by t).
+
+    Kept from forward: the embeddings' sum (the first block's input) and the final LayerNorm's output (the head's
+    input), 2 T h e; the final LayerNorm's two fp32 statistics per token, 8 T; the batch's token ids, one
+    (B, S+1) int64 tensor that input and target view, 8 B (S+1); the cross-entropy's log-probabilities, T V in
+    fp32. Made as backward starts: the gradient of those log-probabilities and that of the logits, 2 T V fp32 —
+    the step's peak for a vocabulary as wide as the model is small (the logits themselves were freed: nothing
+    keeps them)."""
+    _positive(batch=batch, seq=seq, d_model=d_model, vocab=vocab)
+    tokens = batch * seq
+    return (2 * tokens * d_model * bytes_per_element + 8 * tokens + 8 * batch * (seq + 1)
+            + 3 * tokens * vocab * loss_bytes_per_element)
+
+
+def lm_train_peak_bytes(batch: float, seq: float, d_model: int, n_heads: int, n_layers: int, vocab: int, t: int = 1,
+                        *, bytes_per_element: float = 4, optimizer_bytes_per_param: float = 4,
+                        buffer_bytes: float = 0, sp: bool = False) -> float:
+    """Peak bytes of one training step of chapter 7's language model on a rank of a TP group (fp32, no dropout).
+
+    Weights (+ `buffer_bytes`, such as the causal masks) and optimizer state (`optimizer_bytes_per_param`: 4 for
+    SGD's momentum, 8 for Adam) live throughout. On top, the larger of two moments:
+
+    - backward starts: the blocks' activations (`activation_bytes_per_layer`, with the LayerNorms' statistics)
+      and `lm_outside_bytes` (the loss's T x V tensors);
+    - backward ends: every gradient (one per weight), the activations all freed.
+
+    The first wins while activations outweigh a copy of the weights (the chapter's sizes); the second when
+    they do not. Between the two, memory moves from one to the other block by block, and a block's backward
+    temporaries can lift it a little above both: a model of two moments, not a simulation of every op.
+    """
+    psi = lm_params_per_rank(d_model, n_layers, vocab, seq, t)
+    e = bytes_per_element
+    states = psi * e + buffer_bytes + psi * optimizer_bytes_per_param
+    act = n_layers * activation_bytes_per_layer(seq, batch, d_model, n_heads, t=t, sp=sp, sp_keeps_shard=False,
+                                                bytes_per_element=e, dropout=False, layernorm_stats=True)
+    start = states + act + lm_outside_bytes(batch, seq, d_model, vocab, bytes_per_element=e)
+    end = states + psi * e
+    return max(start, end)
+
+
+# ---- context parallelism: what a training step keeps -------------------------------------------------------
+
+def ring_attention_activation_bytes(batch: float, heads: int, seq: float, head_dim: int, cp: int, *,
+                                    bytes_per_element: float = 2) -> float:
+    """Bytes a rank keeps for backward from a ring-attention forward written as one autograd Function that
+    recomputes each block's scores in backward (as FlashAttention does, and as ring attention is meant to run):
+    its output block and the log-sum-exp of its scores, B a (S/cp) (hd + 1) e — linear in S/cp, where one
+    process keeps a S^2 B e of probabilities. (Q, K, V are its inputs: the layers before keep them anyway.)"""
+    _positive(batch=batch, heads=heads, seq=seq, head_dim=head_dim, cp=cp)
+    return batch * heads * seq / cp * (head_dim + 1) * bytes_per_element
+
+
+def ring_attention_backward_bytes(batch: float, seq: float, d_model: int, cp: int, *,
+                                  bytes_per_element: float = 2) -> float:
+    """Bytes one rank sends in that Function's backward ring: the K, V blocks again (cp-1 hops) and their
+    gradients, which travel with them and take one more hop home (cp hops): 2(2cp-1)/cp x B S h e."""
+    _positive(batch=batch, seq=seq, d_model=d_model, cp=cp)
+    return 2 * (2 * cp - 1) / cp * batch * seq * d_model * bytes_per_element
+
+
+def attention_activation_bytes(batch: float, heads: int, seq: float, head_dim: int, *,
+                               bytes_per_element: float = 2) -> float:
+    """Bytes one process's causal attention core (softmax, then times V; no dropout) keeps for backward beyond
+    its inputs: the probabilities, a S^2 B e, and its output, B a S hd e."""
+    _positive(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
+    return batch * heads * seq * (seq + head_dim) * bytes_per_element

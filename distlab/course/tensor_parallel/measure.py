@@ -13,18 +13,18 @@ Meters: memory from `track_memory` (bytes autograd keeps, exact on CPU ranks), t
 `track_comm` (algorithmic bytes each rank sends, per collective), per process group from
 `track_comm_by_group`, times from `distlab.bench.race` (barrier and device sync around every
 call, the slowest rank's time). Every tensor a rank makes is placed on `rt.device()`, except in the
-one-process references, which run on the CPU. The hand-written attentions of section 5 (ring,
-Ulysses) are the lesson: they stay in the notebook and come in as arguments of `cp_run`.
+one-process references, which run on the CPU. Section 5 (context parallelism) is measured by
+`distlab.course.tensor_parallel.measure_cp`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from distlab.bench.race import race
 from distlab.course.models import lm_loss, synthetic_batch
-from distlab.course.tensor_parallel.model import (TP_PRESETS, TPConfig, attention_core, build_stack, build_tp_model,
+from distlab.course.tensor_parallel.model import (TP_PRESETS, TPConfig, build_stack, build_tp_model,
                                                   parallelize_blocks, set_recompute, torch_block_plan,
                                                   track_comm_by_group)
 from distlab.engine import runtime as rt
@@ -259,41 +259,13 @@ def sp_reference(data: Sequence[tuple[torch.Tensor, torch.Tensor]], preset: str 
     """`sp_run`'s training in one process on the whole sequence, on the CPU: the parameters after the steps."""
     ref = build_stack(preset, seed=0, device="cpu")
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    dev = next(ref.parameters()).device                 # the batches came as launch() arguments: move them there
     for x, target in data:
+        x, target = x.to(dev), target.to(dev)
         ((ref(x) - target) ** 2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {k: p.detach() for k, p in ref.named_parameters()}
-
-
-# ---- section 5: context parallelism -------------------------------------------------------------------------
-
-def cp_run(attentions: dict[str, Callable[..., torch.Tensor]], batch: int, heads: int, seq: int, hd: int,
-           repeats: int, budget_s: float) -> dict[str, Any]:
-    """Causal attention over a sequence split in blocks, one per rank, by each of `attentions`
-    (name -> fn(q, k, v) on this rank's (B, heads, seq/cp, hd) blocks, returning its output block).
-
-    Returns `one_peak`: peak bytes of one process's attention on the whole sequence (the S x S
-    scores); per name: `delta` (largest difference from that), `comm` (`CommStats`: the K, V blocks
-    a ring sends, or the all-to-alls of Ulysses) and `peak` bytes; `seconds`: median seconds per
-    call of each (`race`, this rank's view of the slowest rank).
-    """
-    r, cp, dev = rt.rank(), rt.world_size(), rt.device()
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, seq, hd, generator=g).to(dev) for _ in range(3))
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=dev).triu(1)
-    with track_memory() as one_mem:
-        want = attention_core(q, k, v, causal).chunk(cp, 2)[r]
-    mine = [z.chunk(cp, 2)[r].contiguous() for z in (q, k, v)]
-    out: dict[str, Any] = {"one_peak": one_mem.peak_bytes}
-    for name, fn in attentions.items():
-        with track_memory() as mem, track_comm() as comm:
-            got = fn(*mine)
-        out[name] = dict(delta=(got - want).abs().max().item(), comm=comm.stats(), peak=mem.peak_bytes)
-    timing = race({name: (lambda fn=fn: fn(*mine)) for name, fn in attentions.items()},
-                  repeats=repeats, budget_s=budget_s)
-    out["seconds"] = {name: timing.median(name) for name in attentions}
-    return out
 
 
 # ---- section 6: FSDP2 x TP on a 2 x 2 mesh -------------------------------------------------------------------

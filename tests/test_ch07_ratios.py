@@ -1,0 +1,61 @@
+"""Chapter 7's measured / predicted ratios (issue 25), each held at a reduced size on gloo ranks:
+the peak bytes of a tensor-parallel training step (`lm_train_peak_bytes`), and the bytes ring attention keeps
+for backward (`ring_attention_activation_bytes`) with the lecture's own `RingAttention`, read from the notebook."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import distlab
+from distlab.theory import tensor_parallel as th
+
+ROOT = Path(__file__).resolve().parents[1]
+LECTURE = ROOT / "notebooks" / "07_tensor_parallel.ipynb"
+
+
+def lecture_ring() -> types.ModuleType:
+    """The lecture's ring attention cells (block_attention ... RingAttention), executed as a module."""
+    import cloudpickle
+    cells = ["".join(c["source"]) for c in json.loads(LECTURE.read_text())["cells"] if c["cell_type"] == "code"]
+    first = next(i for i, s in enumerate(cells) if s.startswith("def block_attention"))
+    last = next(i for i, s in enumerate(cells) if "class RingAttention" in s)
+    mod = types.ModuleType("ch07_lecture_ring")
+    sys.modules[mod.__name__] = mod
+    exec("import math\nimport torch\nimport torch.distributed as dist\n"
+         "from distlab.course.tensor_parallel.model import attention_core\n"
+         + "\n\n".join(cells[first:last + 1]), mod.__dict__)
+    cloudpickle.register_pickle_by_value(mod)
+    return mod
+
+
+def test_tp_step_peak_within_5_percent():
+    from distlab.course.tensor_parallel.measure import tp_model_run
+    from distlab.course.tensor_parallel.model import TP_PRESETS
+    cfg, b, t = TP_PRESETS["tp-small"], 4, 2
+    h, a, s, n_layers, v = cfg.d_model, cfg.n_heads, cfg.seq_len, cfg.n_layers, cfg.vocab_size
+    run = distlab.launch(tp_model_run, t, "tp-small", b, 2, 1, 1)[0]
+    peak = th.lm_train_peak_bytes(b, s, h, a, n_layers, v, t, buffer_bytes=n_layers * s * s)
+    assert run["peak"] / peak == pytest.approx(1, abs=0.05)
+    assert run["peak"] / peak == pytest.approx(1, abs=0.001)          # on CPU ranks, all but a few scalars
+    act = n_layers * th.activation_bytes_per_layer(s, b, h, a, t=t, bytes_per_element=4, dropout=False,
+                                                   layernorm_stats=True)
+    assert run["act"] == act
+    assert run["state"].params == th.lm_params_per_rank(h, n_layers, v, s, t) * 4 + n_layers * s * s
+
+
+def test_ring_attention_keeps_its_output_and_lse_only():
+    from distlab.course.tensor_parallel.measure_cp import cp_run
+    ring = lecture_ring()
+    b, heads, seq, hd, cp = 1, 4, 64, 8, 2
+    out = distlab.launch(cp_run, cp, {"ring": ring.ring_attention}, b, heads, seq, hd, 1, 1, ring.RingAttention.apply)
+    for o in out:
+        tr = o["train"]
+        assert tr["kept"] == th.ring_attention_activation_bytes(b, heads, seq, hd, cp, bytes_per_element=4)
+        assert tr["one_kept"] == th.attention_activation_bytes(b, heads, seq, hd, bytes_per_element=4)
+        assert tr["fwd"].bytes["send"] == th.ring_attention_bytes(b, seq, heads * hd, cp, bytes_per_element=4)
+        assert tr["bwd"].bytes["send"] == th.ring_attention_backward_bytes(b, seq, heads * hd, cp, bytes_per_element=4)
+        assert max(tr[k] for k in ("delta", "dq", "dk", "dv")) < 1e-5
