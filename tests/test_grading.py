@@ -17,12 +17,12 @@ import nbformat
 import pytest
 import torch
 
-from distlab.grading import channel, evidence, sandbox, submission
+from distlab.grading import channel, evidence, resultcheck, sandbox, seccomp, submission, wire
 from distlab.grading.grade import Result, Verdict, summarize
 from distlab.grading.lab import grade_calls, load_lab
 from distlab.grading.pgmeter import OP_KINDS, booking
 from distlab.grading.rankside import REGION_KEY
-from distlab.grading.safeload import UnsafeResult, safe_loads
+from distlab.grading.safeload import MAX_OPS as UNSAFE_OPS, UnsafeResult, plain_loads
 from distlab.meters.comm import CommStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,20 +43,108 @@ def test_channel_refuses_forged_replayed_and_truncated_records():
     assert "not a record" in channel.read_records(b"PASS all\n" + good, key).problem
 
 
-def test_safe_loads_takes_plain_data_and_refuses_code():
-    data = {"results": {(7, "torch.bfloat16", "max"): torch.arange(7).to(torch.bfloat16)[2:]},
-            "comm": CommStats({"send": 1}, {"send": 4096}), "dtype": torch.int64, "size": torch.Size([2])}
-    back = safe_loads(pickle.dumps(data, protocol=4))
-    assert torch.equal(back["results"][7, "torch.bfloat16", "max"], torch.arange(2, 7).to(torch.bfloat16))
-    assert back["comm"] == CommStats({"send": 1}, {"send": 4096}) and back["dtype"] is torch.int64
+def test_plain_loads_takes_plain_data_and_refuses_everything_else_at_once():
+    data = {"type": "ValueError", "message": "x" * 1000, "traceback": "", "n": [1, 2.5, None, True, b"raw"]}
+    assert plain_loads(pickle.dumps(data, protocol=5)) == data
+    assert plain_loads(pickle.dumps(b"\0" * (1 << 20), protocol=5)) == b"\0" * (1 << 20)
 
     class Evil:
         def __reduce__(self):
             return (os.system, ("true",))
 
-    for bad in (pickle.dumps(Evil()), pickle.dumps(print), b"\x80\x04garbage", b""):
-        with pytest.raises(UnsafeResult):
-            safe_loads(bad)
+    bomb = b"\x80\x04)\x94" + b"".join(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94" for i in range(60)) \
+        + b"(h" + bytes([60]) + b"\x91."     # unpickled, hashing its frozenset would take 2^60 steps
+    for bad, why in ((pickle.dumps(Evil()), "operation STACK_GLOBAL"), (pickle.dumps(print), "STACK_GLOBAL"),
+                     (bomb, "operation EMPTY_TUPLE"), (pickle.dumps((1, 2)), "TUPLE2"),
+                     (b"\x80\x04garbage", "unreadable"), (b"", "unreadable"), (b"N" * (UNSAFE_OPS + 1) + b".", "more than")):
+        with pytest.raises(UnsafeResult, match=why):
+            plain_loads(bad)
+
+
+# ---------------------------------------------------------------- results: safetensors + JSON, checked in a child
+
+def _outputs():
+    from distlab.meters.memory import MemoryStats
+    return {"results": {(7, "torch.bfloat16", "max"): torch.arange(7).to(torch.bfloat16)[2:]},
+            "comm": {REGION_KEY: 3}, "dtype": torch.int64, "size": torch.Size([2]), "mem": MemoryStats(10, 20),
+            "flags": [True, None, 1.5, float("nan")], "empty": torch.zeros(0, 3), "scalar": torch.tensor(4)}
+
+
+def test_outputs_cross_as_safetensors_and_json_and_come_back_equal():
+    blob = wire.encode(_outputs())
+    assert blob[8:].startswith(b"{") and resultcheck.problem(blob) == ""
+    back = wire.decode(blob)
+    want = _outputs()
+    assert torch.equal(back["results"][7, "torch.bfloat16", "max"], want["results"][7, "torch.bfloat16", "max"])
+    assert back["results"][7, "torch.bfloat16", "max"].dtype == torch.bfloat16
+    assert back["comm"] == {REGION_KEY: 3} and back["dtype"] is torch.int64 and back["size"] == torch.Size([2])
+    assert back["mem"] == want["mem"] and back["flags"][:3] == [True, None, 1.5] and back["flags"][3] != 0.0
+    assert back["empty"].shape == (0, 3) and back["scalar"].item() == 4
+    with pytest.raises(TypeError, match="cannot carry"):
+        wire.encode({"x": object()})
+
+
+def _forged(header: dict, data: bytes = b"") -> bytes:
+    import struct
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+@pytest.mark.parametrize("blob, why", [
+    (b"\x01", "shorter than its header"),
+    (b"\xff" * 8 + b"{}", "header length is out of bounds"),
+    (_forged({"__metadata__": {"distlab": "[" * 100_000}}), "not JSON (RecursionError)"),
+    (_forged({"__metadata__": {"distlab": json.dumps({"list": [0] * 300_000})}}), "too deep or too large"),
+    (_forged({"__metadata__": {"distlab": '{"tensor": "t9"}'}}), "a tensor that is not there"),
+    (_forged({"__metadata__": {"distlab": '{"call": "os.system"}'}}), "unknown tag"),
+    (_forged({"__metadata__": {"distlab": '{"dtype": ["float32"]}'}}), "an unknown dtype"),
+    (_forged({"t0": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "__metadata__": {"distlab": "1"}},
+             b"\0" * 8), "its byte range does not match its shape"),
+    (_forged({"t0": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+              "t1": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"distlab": "1"}},
+             b"\0" * 8), "overlap or leave gaps"),
+    (_forged({"__metadata__": {"distlab": "1"}}, b"\0" * (33 << 20)), "33 MiB of outputs (limit 32 MiB)"),
+])
+def test_a_result_outside_its_bounds_is_refused_with_a_reason(blob, why):
+    assert why in resultcheck.problem(blob)
+
+
+def test_results_are_checked_in_a_child_with_a_deadline():
+    good, bad = wire.encode(_outputs()), _forged({"__metadata__": {"distlab": '{"tensor": 1}'}})
+    assert resultcheck.check_in_child([good, bad]) == ["", "a reference to a tensor that is not there"]
+    assert resultcheck.check_in_child([good], deadline_s=0.001) == [
+        "its outputs could not be checked within 0.001 s"]
+
+
+# ---------------------------------------------------------------- the seccomp filter, in a child process
+
+SECCOMP_SCRIPT = r"""
+import os, socket, subprocess, sys, threading
+from distlab.grading import seccomp
+kept = socket.socket()                      # opened before the filter: keeps working
+assert seccomp.confine()
+def tried(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as exc:
+        return exc.strerror
+box = []
+thread = threading.Thread(target=lambda: box.append(tried(lambda: socket.socket())))
+thread.start(); thread.join()
+print({"socket": tried(lambda: socket.socket()), "socketpair": tried(socket.socketpair),
+       "fork": tried(os.fork), "subprocess": tried(lambda: subprocess.run(["true"])), "setsid": tried(os.setsid),
+       "thread": "ok" if box else "no", "socket_in_thread": box[0], "kept": tried(kept.close)})
+"""
+
+
+@pytest.mark.skipif(not seccomp.available(), reason="seccomp filters need Linux on x86-64 or aarch64")
+def test_the_seccomp_filter_stops_sockets_and_processes_but_not_threads():
+    run = subprocess.run([sys.executable, "-c", SECCOMP_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    no = "Operation not permitted"
+    assert eval(run.stdout) == {"socket": no, "socketpair": no, "fork": no, "subprocess": no, "setsid": no,  # noqa: S307
+                                "thread": "ok", "socket_in_thread": no, "kept": "ok"}
 
 
 # ---------------------------------------------------------------- what the metered group books
@@ -121,6 +209,11 @@ def test_stream_that_is_forged_cut_or_disowns_its_outputs_is_evidence():
     forged = raw + channel.seal(channel.new_key(), 2, b"op\tsend\t4096\t0")
     assert "tampered with" in evidence.check_outputs(evidence.read_stream(forged), b"outputs")
     assert "missing" in evidence.read_stream(b"").problem
+    # the first finish wins; a second one is evidence
+    again = raw + channel.seal(key, 2, b"finish\t" + hashlib.sha256(b"other outputs").hexdigest().encode())
+    log = evidence.read_stream(again)
+    assert evidence.check_outputs(log, b"outputs") == "" and log.evidence == [
+        "a second finish record (only the first counts)"]
 
 
 def test_evidence_is_summarized_once_per_thing_seen():
@@ -181,9 +274,16 @@ def test_files_that_are_not_notebooks_get_a_one_line_reason(tmp_path, text, reas
 def test_the_sandbox_shows_the_environment_and_the_package_only():
     argv = sandbox.argv()
     binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--bind", "--dev-bind")]
-    for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-user", "--die-with-parent",
-                 "--clearenv"):
+    for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--die-with-parent", "--clearenv"):
         assert flag in argv
+    if sandbox.as_root():      # no user namespace (uid 65534 in one would be root outside): the runner drops
+        assert "--unshare-user" not in argv and argv[argv.index("--cap-add") + 1] == "CAP_SETUID"
+    else:
+        assert "--unshare-user" in argv and "--cap-add" not in argv
+    # bwrap (as root) would create the folders above each bound root 0700: the unprivileged uid could not pass
+    for parent in sandbox._parents(sandbox._read_only_roots()):
+        assert parent.startswith(("/usr/", "/tmp/", "/etc/")) or argv[argv.index(parent) - 3:argv.index(parent)] == [
+            "--perms", "0755", "--dir"], parent
     assert str(ROOT / "distlab") in binds or all(not b.startswith(str(ROOT)) for b in binds)
     assert not any(b == str(ROOT) or b.startswith(str(ROOT / "solutions")) or b.startswith(str(ROOT / "labs"))
                    or b.startswith(str(ROOT / "tests")) for b in binds), binds

@@ -1,11 +1,13 @@
 """`distlab grade` end to end, sandboxed: the chapter-1 class, one attack per route of issue 11, the
-sandbox's walls, broken files, and every lab (its solution: full marks; its unfilled lab: zero).
+kernel's walls and the results that could stop the grader (issue 28), broken files, and every lab (its
+solution: full marks; its unfilled lab: zero).
 
 Everything is graded once per test session (`graded`), two runs at a time so both cores stay busy:
 
 - the chapter-1 class on its reduce-scatter task (3 cases: 2, 3 and 4 ranks, 6 points), two submissions
   at a time, reports written, as an instructor would;
 - the attacks (one per route) and the broken files on its 2-rank case, as a second class run;
+- issue 28's attacks (kernel limits, DoS results) and the honest solution on the same case, a third class run;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
   covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
   whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8). Unfilled labs:
@@ -33,7 +35,7 @@ import psutil
 import pytest
 
 from distlab.checks import LABS
-from distlab.grading import sandbox
+from distlab.grading import sandbox, seccomp
 from distlab.grading.cli import sandbox_for
 from distlab.grading.classrun import grade
 from distlab.grading.grade import Options, prepare
@@ -110,12 +112,19 @@ def _grade_everything(tmp_path_factory, labs):
         return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "attacks"],
                      out=folder / "attack_grades", jobs=2, opts=opts)
 
+    def kernel_run():
+        # issue 28: one class run holds every kernel and DoS attack, the honest solution beside them; its result
+        # cap is set low, so a 6 MiB-per-rank answer overflows it (honest results are kilobytes)
+        mk.write(mk.kernel_attacks(), folder / "kernel")
+        return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "kernel"],
+                     out=folder / "kernel_grades", jobs=2, opts=Options(sandbox=box, max_result_bytes=8 << 20))
+
     def lab_run(name):
         paths = mk.write({"correct": mk.solution_and_unfilled(name)["correct"]}, folder / "labs" / name)
         return grade(lab(name, first_case=True), [paths["correct"]], jobs=1, opts=opts)[0]
 
     # longest first; the class runs grade two submissions at a time themselves
-    work = [("class", class_run)] + ([("attacks", attack_run)] if BWRAP else [])
+    work = [("class", class_run)] + ([("attacks", attack_run), ("kernel", kernel_run)] if BWRAP else [])
     work += [(name, lambda name=name: lab_run(name)) for name in labs]
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -134,7 +143,8 @@ def _grade_everything(tmp_path_factory, labs):
         print(f"  {key}: {len(got)} submissions, {sum(r.cpu_s for r in got):.1f} CPU s, "
               f"longest {max(r.seconds for r in got):.0f} s")
     return SimpleNamespace(
-        cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])), folder=folder,
+        cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
+        kernel=_by_stem(done.get("kernel", [])), folder=folder,
         labs={name: done[name] for name in labs},
         leftover=leftover)
 
@@ -228,8 +238,8 @@ def test_route4_forging_results_and_killing_the_worker_scores_zero(graded):
 def test_route5_a_result_that_runs_code_is_refused(graded):
     r = graded.attacks["route5_malformed_result"]
     assert r.score == 0
-    assert all("the ranks returned a builtins.print, which the grader does not unpickle" in v.judged
-               for v in r.verdicts)
+    assert all("a check's outputs hold a _Evil, which a result cannot carry" in v.judged for v in r.verdicts), [
+        v.judged for v in r.verdicts]
     assert any("rebound distlab.checks.ch01.RingTask.exercise" in f for f in r.flags), r.flags
 
 
@@ -247,8 +257,10 @@ def test_a_rank_cannot_see_the_grader_read_solutions_or_reach_the_network(graded
     probe = json.loads(r.verdicts[0].judged.split("PROBE ", 1)[1])
     assert probe["grader"] is False and probe["npids"] < 20, probe     # its own PID namespace
     assert probe["solutions"] is False and probe["labs"] is False, probe
-    assert probe["net"] == "ConnectionRefusedError", probe              # the grader's listener is not there
-    assert any("socket.connect" in f for f in r.flags) and any("subprocess.Popen" in f for f in r.flags)
+    # the rank's seccomp filter refuses the socket; without one, the grader's listener is not there
+    assert probe["net"] == ("PermissionError" if seccomp.available() else "ConnectionRefusedError"), probe
+    assert any("socket.__new__" in f or "socket.connect" in f for f in r.flags), r.flags
+    assert any("subprocess.Popen" in f for f in r.flags), r.flags
 
 
 @needs_bwrap
@@ -279,6 +291,49 @@ def test_broken_files_get_one_line_and_the_class_run_writes_every_report(graded)
     assert len(suites) == len(totals)
     md = (out / "grades.md").read_text()
     assert "| Submission | Score | Max | Passed | Note / first failure | Audit |" in md
+
+
+# ---------------------------------------------------------------- issue 28: what the kernel enforces, what cannot stop the grader
+
+@needs_bwrap
+def test_the_kernel_keeps_a_rank_from_host_files_sockets_processes_and_unmetered_groups(graded):
+    r = graded.kernel["k_walls"]
+    probe = json.loads(r.verdicts[0].judged.split("PROBE ", 1)[1])
+    assert probe["uid"] != 0, probe                                   # a real unprivileged uid
+    assert probe["shadow"] == probe["from_file"] == "no", probe        # /etc/shadow: open() and a C-level read
+    assert probe["socket"] == probe["subprocess"] == probe["fork"] == probe["setsid"] == "no", probe   # seccomp
+    assert probe["gloo"] != "ok", probe            # a gloo group of its own (unmetered) cannot be built
+    assert r.score == 0 and any("socket.__new__" in f for f in r.flags) and any("os.fork" in f for f in r.flags)
+
+
+@needs_bwrap
+def test_a_fork_bomb_a_memory_hog_and_gc_through_a_library_score_zero(graded):
+    got = graded.kernel
+    assert got["honest"].score == got["honest"].max_score == 2 and not got["honest"].flags
+    bomb = got["k_fork_bomb"]
+    assert bomb.score == 0 and all(v.judged.startswith("PASS") for v in bomb.verdicts)    # forks failed, then ...
+    assert any("os.fork" in f for f in bomb.flags), bomb.flags                            # ... the audit zeroes it
+    hog = got["k_memory_hog"]
+    assert hog.score == 0 and all("DefaultCPUAllocator: can't alloca" in v.reason for v in hog.verdicts), hog.verdicts
+    lib = got["k_gc_through_library"]
+    assert lib.score == 0 and any("gc.get_referrers" in f and "answer cell" in f for f in lib.flags), lib.flags
+
+
+@needs_bwrap
+def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_writes_its_reports(graded):
+    got, out = graded.kernel, graded.folder / "kernel_grades"
+    bomb = got["dos_hash_bomb"]
+    assert bomb.score == 0 and all("operation EMPTY_TUPLE, which the grader does not read" in v.reason
+                                   for v in bomb.verdicts), bomb.verdicts
+    deep = got["dos_deep_structure"]
+    assert deep.score == 0 and deep.note == ("malformed result (reduce_scatter, 2 ranks, rank 0: the structure is "
+                                             "not JSON (RecursionError)): not graded"), deep.note
+    big = got["dos_oversized"]
+    assert big.score == 0 and big.note == "its ranks sent more than 8 MiB of results: stopped at once, not graded"
+    assert max(r.seconds for r in got.values()) < 120          # nothing waited for a cap
+    rows = list(csv.DictReader(open(out / "grades.csv")))
+    assert {Path(r["submission"]).stem for r in rows if r["check"] == "TOTAL"} == set(got)
+    assert len(ET.parse(out / "junit.xml").getroot().findall("testsuite")) == len(got)
 
 
 # ---------------------------------------------------------------- every lab

@@ -20,6 +20,18 @@ happens:
 - `changed`: functions or classes of distlab / torch.distributed rebound
   between two checkpoints; `finish`: the digest of the rank's outputs.
 
+Events that reach internals or the outside (gc walks, other threads' frames,
+tracing, ctypes, processes, signals, sockets, code objects) are booked to the
+learner whenever a learner frame is anywhere on the stack, so calling them
+through a library function (`tree_map(gc.get_referrers, ...)`) hides nothing;
+the rest (imports, reading library files, `sys._getframe`, which the library
+does on the learner's behalf all the time) only when learner code caused them.
+Only the first `finish` counts: a later one is evidence.
+
+Process groups created after the rank's seccomp filter is on (a learner's
+`dist.new_group`, a device mesh) are built on the hook's group thread,
+started here before the filter, so gloo can still open their sockets.
+
 Everything the hook uses is bound here, before learner code runs, and kept
 in its closure: learner code can rebind module attributes, but not these.
 The runner knows the key only from the stream's first bytes, so records a
@@ -44,6 +56,15 @@ WATCH = frozenset({
     "open", "compile", "exec", "import", "object.__getattr__",
 })
 PREFIXES = ("ctypes.", "socket.", "_posixsubprocess.")
+# booked whenever learner code is anywhere on the stack (see the module docstring)
+ANYWHERE = frozenset({
+    "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.get_objects",
+    "gc.get_referrers", "gc.get_referents", "code.__new__", "function.__new__", "os.system", "os.exec",
+    "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
+    "signal.pthread_kill", "mmap.__new__", "resource.setrlimit", "resource.prlimit",
+})
+ANYWHERE_PREFIXES = ("ctypes.", "_posixsubprocess.", "socket.__new__", "socket.bind", "socket.connect",
+                     "socket.sendto", "socket.sendmsg")
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_globals", "f_locals"})
 WATCHED_IMPORTS = frozenset({"ctypes", "_ctypes", "gc", "inspect", "subprocess", "socket", "pty", "signal",
                              "multiprocessing", "_posixsubprocess", "mmap", "resource", "fcntl"})
@@ -59,6 +80,40 @@ def trusted_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     pkg = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)) + os.sep
     sites = {os.path.realpath(p) + os.sep for p in (paths["purelib"], paths["platlib"], *site.getsitepackages())}
     return tuple(sorted({stdlib, pkg, *sites})), (stdlib, "<frozen ")
+
+
+def _group_thread() -> Any:
+    """`run(fn, *args)`: `fn(*args)` on a thread started now (before the rank's seccomp filter), one call at a
+    time. A `_thread` thread, not a `threading.Thread`: `threading.enumerate()` does not list it."""
+    import _thread
+    request, done, one_at_a_time = _thread.allocate_lock(), _thread.allocate_lock(), _thread.allocate_lock()
+    request.acquire()
+    done.acquire()
+    box: list = []
+
+    def serve() -> None:
+        while True:
+            request.acquire()
+            fn, args = box.pop()
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                box.append((False, exc))
+            done.release()
+
+    _thread.start_new_thread(serve, ())
+
+    def run(fn: Any, *args: Any) -> Any:
+        with one_at_a_time:
+            box.append((fn, args))
+            request.release()
+            done.acquire()
+            ok, value = box.pop()
+        if not ok:
+            raise value
+        return value
+
+    return run
 
 
 def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: tuple[str, ...]) -> None:
@@ -77,6 +132,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
 
     from distlab.grading.pgmeter import OP_KINDS, booking
 
+    on_group_thread = _group_thread()
     libs, stdlib = trusted_roots()
     site_dirs = tuple(r for r in libs if r != stdlib[0])
     fd = os.open(stream_path, os.O_WRONLY)
@@ -104,7 +160,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                   "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
     codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
     modules = {name: sys.modules[name] for name in snapshot_modules if name in sys.modules}
-    seq, busy, learner_cache = [0], [False], {}
+    seq, busy, learner_cache, finished = [0], [False], {}, [False]
     groups: dict[int, tuple] = {}
     meters: dict[int, tuple] = {}
     live: dict[int, Any] = {}      # track_comm meters open now: each op is added to them as it runs
@@ -263,8 +319,10 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 box.append(forward(entry[1], aliases.get(name, name), call))
         elif ev == "distlab.pg.create":
             group, store, rank, size, timeout = args
-            inner = Nccl(store, rank, size) if group._backend_name.endswith("nccl") and Nccl else \
-                Gloo(store, rank, size, timeout)
+            if group._backend_name.endswith("nccl") and Nccl:
+                inner = Nccl(store, rank, size)
+            else:    # on the group thread: this thread may no longer open sockets (seccomp)
+                inner = on_group_thread(Gloo, store, rank, size, timeout)
             gid = _len(groups)
             groups[_id(group)] = (group, inner, size, rank, _str(gid))
             send("pg", _str(gid), size, rank)
@@ -296,6 +354,10 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             else:
                 compare(args[0])
         elif ev == "distlab.finish":
+            if finished[0]:
+                send("ev", "a second finish", "only the first one counts", src)
+                return
+            finished[0] = True
             send("finish", args[0])
 
     def hook(ev: Any, args: Any) -> None:
@@ -320,6 +382,10 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             if _type(path) is _str and not writes and startswith(path, libs) and "/.." not in path:
                 return
             send("ev", "open", safe(path) + (" for writing" if writes else ""), anywhere)
+            return
+        if anywhere and (ev in ANYWHERE or startswith(ev, ANYWHERE_PREFIXES)):
+            detail = safe(args[1]) if startswith(ev, "object.") and _len(args) > 1 else safe(args[:2])
+            send("ev", ev, detail, cause or anywhere)
             return
         if not cause:
             return

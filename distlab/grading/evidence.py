@@ -12,7 +12,8 @@ What counts as evidence (each zeroes the task it was seen in):
   audit event);
 - a `changed` record (a distlab / torch.distributed function or class rebound);
 - a stream that does not verify, or ends before the rank's `finish` record
-  although the rank returned outputs, or whose digest does not match them;
+  although the rank returned outputs, or whose (first) digest does not match them;
+  a second `finish` record;
 - traffic figures in the outputs that no check-opened region measured.
 """
 from __future__ import annotations
@@ -66,7 +67,10 @@ def read_stream(raw: bytes, flooded: bool = False) -> RankLog:
         elif kind == "changed" and len(fields) >= 3:
             log.evidence.append(f"rebound {fields[1]} ({fields[2]})")
         elif kind == "finish" and len(fields) >= 2:
-            log.digest = fields[1]
+            if log.digest:     # the first finish wins; another one is evidence
+                log.evidence.append("a second finish record (only the first counts)")
+            else:
+                log.digest = fields[1]
     if stream.problem:
         log.problem = f"its audit stream was tampered with: {stream.problem}"
     if flooded:

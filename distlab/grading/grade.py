@@ -3,8 +3,12 @@
 `prepare` reads which tasks the shipped lab grades (`lab.load_lab`) and
 computes every case's reference once, in this process, with no learner code
 anywhere near it. `run_answers` sends a submission's answer cells to a
-runner (`sandbox`, `runner`), then for each case verifies the ranks' event
-streams (`evidence`), unpickles their outputs safely (`safeload`), replaces
+runner (`sandbox`, `runner`); every rank's outputs (safetensors + JSON, see
+`wire`) are first checked against their bounds in a child process with a
+deadline (`resultcheck`): one that fails, or a child that does not answer in
+time, zeroes the whole submission with the reason (an honest rank cannot
+produce one). Then for each case it verifies the ranks' event streams
+(`evidence`), parses their outputs (`wire.decode`; never a pickle), replaces
 their traffic figures by what the audit hook booked, validates them and calls
 the task's own `judge` here. Evidence that learner code tampered zeroes every
 line of the task it was seen in; the Audit column says what was seen. A
@@ -25,9 +29,9 @@ from typing import Any, Callable
 
 from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
 from distlab.checks.verdict import CheckFailed, reason
-from distlab.grading import evidence, sandbox, submission
+from distlab.grading import evidence, resultcheck, sandbox, submission, wire
 from distlab.grading.lab import ShippedLab, load_lab
-from distlab.grading.safeload import UnsafeResult, safe_loads
+from distlab.grading.sandbox import MAX_RESULT_BYTES, Limits
 
 
 @dataclass
@@ -66,6 +70,8 @@ class Options:
     backend: str = "gloo"
     keep: Path | None = None              # keep each runner's log here
     progress: Callable[[str], None] | None = None
+    limits: Limits = field(default_factory=Limits)     # per process, in the sandbox
+    max_result_bytes: int = MAX_RESULT_BYTES           # all records of one submission
 
 
 def one_line(text: Any, limit: int = 400) -> str:
@@ -104,9 +110,9 @@ def _case_outputs(record: dict, seen: list[str]) -> list[Any]:
         if why:
             seen.append(f"rank {r}: {why}")
         try:
-            raw = safe_loads(blob)
-        except UnsafeResult as exc:
-            raise CheckFailed(str(exc)) from None
+            raw = wire.decode(blob)       # bounded: `checked` passed every blob in a child first
+        except Exception as exc:  # noqa: BLE001 - malformed in a way the bounds allow
+            raise CheckFailed(f"malformed result from rank {r} ({type(exc).__name__})") from None
         problems: list[str] = []
         outputs.append(evidence.substitute(raw, log, problems))
         seen += [f"rank {r}: {p}" for p in dict.fromkeys(problems)]
@@ -152,8 +158,29 @@ def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], fai
     return [lines.get(n, Line(n, False, "no verdict (malformed result)")) for n in case.lines]
 
 
+def checked(records: list[dict]) -> str:
+    """'' when every rank's outputs in `records` respect the result bounds (checked in a child process with a
+    deadline, `resultcheck.check_in_child`); else why not, for the whole submission (one line)."""
+    where, blobs = [], []
+    for rec in records:
+        if rec.get("kind") == "case" and rec.get("status") == "ok":
+            for r, b in enumerate(rec.get("outputs") or []):
+                where.append(f"{rec.get('task')}, {rec.get('world_size')} ranks, rank {r}")
+                blobs.append(_b64(b))
+    if not blobs:
+        return ""
+    for place, why in zip(where, resultcheck.check_in_child(blobs)):
+        if why:
+            return f"malformed result ({place}: {why}): not graded"
+    return ""
+
+
 def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], list[str]]:
     """Every graded line from the runner's records; (verdicts, audit flags)."""
+    bad = checked(outcome.records)
+    if bad:
+        outcome.failure = outcome.failure or bad
+        return [Verdict(line, 0, g.task.points, one_line(bad)) for g in lab.graded for line in g.lines], [bad]
     records = {(r.get("task"), r.get("case")): r for r in outcome.records if r.get("kind") == "case"}
     verdicts, flags = [], []
     for graded in lab.graded:
@@ -195,7 +222,8 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
                 opts.progress(f"[{count[0]}/{total}] {rec.get('task')}, {rec.get('world_size')} ranks: "
                               + ("ran" if ok else one_line(rec.get("reason", ""), 120)))
     try:
-        outcome = sandbox.run(job, sandbox=opts.sandbox, cap_s=opts.submission_cap_s, log=log, on_record=on_record)
+        outcome = sandbox.run(job, sandbox=opts.sandbox, cap_s=opts.submission_cap_s, log=log, on_record=on_record,
+                              limits=opts.limits, max_result_bytes=opts.max_result_bytes)
     finally:
         if not opts.keep:
             log.unlink(missing_ok=True)

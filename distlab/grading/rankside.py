@@ -8,10 +8,16 @@ The sandbox runner launches `run_case(...)` on every rank of one case with
    (`distlab.grading.pgmeter`), so every collective is run and booked by the hook;
 3. `track_comm` blocks announce themselves to the hook (regions).
 
+4. the rank's resource limits are lowered (CPU seconds of one case) and, with
+   its process group up, a seccomp filter (`distlab.grading.seccomp`) stops
+   this thread and every thread or process it starts from creating sockets,
+   processes or sessions: the kernel enforces it, whatever learner code does.
+
 Then the learner's answer cells run after the lab's PRELUDE in a fresh
 namespace (as in the notebook, with nothing else from it), the task's
 `exercise` runs with the learner's objects, and the outputs go back as
-pickled bytes. Every `CommStats` in them is replaced by a reference to the
+safetensors bytes with their structure as JSON (`distlab.grading.wire`; no
+pickle). Every `CommStats` in them is replaced by a reference to the
 hook's record of that region (`{"__distlab_region__": k}`; -1 when the hook
 never saw it measured, -2 when learner code opened it), so the grader judges
 traffic from what the hook booked, never from what the rank reports.
@@ -21,7 +27,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import os
-import pickle
+import resource
 import sys
 from datetime import timedelta
 from functools import partial
@@ -29,9 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distlab.grading import audithook, pgmeter
-
-REGION_KEY = "__distlab_region__"
+from distlab.grading import audithook, pgmeter, seccomp, wire
+from distlab.grading.wire import REGION_KEY
 # What a check's rank-side half relies on: rebinding a function or class attribute here is evidence. (Other
 # modules are left alone: torch itself rewraps e.g. every optimizer class's `step` on first use, and a
 # learner who breaks them only breaks their own outputs, which are judged in the grader.)
@@ -92,6 +97,15 @@ def _metered_group(timeout_s: float) -> None:
     dist.init_process_group(name, store=prefixed, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
 
 
+def _cpu_limit(seconds: float) -> None:
+    """This rank may use `seconds` of CPU more (the case's cap): past it the kernel stops it (SIGXCPU)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(used.ru_utime + used.ru_stime + seconds) + 1
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard if hard != resource.RLIM_INFINITY else soft + 5))
+
+
 def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -> tuple[dict, list[str]]:
     """PRELUDE + the learner's cells in a fresh namespace; (namespace, one line per cell that raised)."""
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
@@ -113,7 +127,7 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
     from distlab.meters.comm import CommStats, _CommMeter  # noqa: F401 - imported before learner code
 
     from torch import Tensor
-    audit, dumps, sha256, _type, _dict, _list, _tuple = (sys.audit, pickle.dumps, hashlib.sha256, type, dict,
+    audit, dumps, sha256, _type, _dict, _list, _tuple = (sys.audit, wire.encode, hashlib.sha256, type, dict,
                                                          list, tuple)
 
     def collect(x: Any, found: list, depth: int = 0) -> None:
@@ -146,7 +160,7 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         collect(outputs, found)
         regions: list = []
         audit("distlab.lookup", found, regions)
-        data = dumps(swap(outputs, {id(s): k for s, k in zip(found, regions)}), protocol=4)
+        data = dumps(swap(outputs, {id(s): k for s, k in zip(found, regions)}))
         audit("distlab.finish", sha256(data).hexdigest())
         return data
 
@@ -163,6 +177,8 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         "distlab.checkpoint": run_case.__code__,
     }, snapshot_modules=tuple(sorted(m for m in sys.modules if m.startswith(WATCHED_PREFIXES) or m in WATCHED)))
     _metered_group(timeout_s)
+    _cpu_limit(timeout_s)
+    seccomp.confine(sockets=dist.get_backend() != "metered_nccl")
     audit("distlab.checkpoint", "snapshot")
     ns, errors = _exec_cells(module.PRELUDE, f"{module.__file__}#PRELUDE", cells)
     audit("distlab.checkpoint", "after your answer cells ran")

@@ -2,7 +2,11 @@
 
     python -m distlab.grading.runner --result-fd W --secret-fd S  < job.json
 
-The grader starts it (in bubblewrap unless --no-sandbox) with two pipes: it
+The grader starts it (in bubblewrap unless --no-sandbox) with two pipes; when
+the grader runs as root, `--uid N` makes the runner drop to that unprivileged
+uid (and gid, no groups) before anything else, so no process of the
+submission holds root's access to host files; then it lowers its resource
+limits (`limits`): processes, memory, file size, CPU. It
 reads a 32-byte secret from S and closes S before any rank exists, and writes
 sealed records (`distlab.grading.channel`) to W, which no rank inherits. It
 makes itself non-dumpable first, so processes of the same user (the ranks)
@@ -11,8 +15,8 @@ cannot read its memory or file descriptors through /proc or ptrace.
 For each task the lab grades, for each of its cases graded, it launches
 `rankside.run_case` on the case's ranks with `distlab.launch` (one
 forkserver for the whole submission; hangs end by the launcher's progress
-detection) and sends one record per case: the ranks' raw pickled outputs
-(never unpickled here beyond the launcher's safe reader), each rank's raw
+detection) and sends one record per case: the ranks' raw outputs (safetensors bytes, never
+parsed here; the launcher's wrapper around them is read by `plain_loads`), each rank's raw
 event stream with its key, or why the case failed. After a hang (or a case
 that ran past its cap), a task's later cases are not run. Then a `done` record, and exit 0: the grader treats
 anything else as a failed submission.
@@ -139,16 +143,16 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     """One launch of one case; a record for the grader (JSON-able, blobs in base64)."""
     from distlab.checks.verdict import reason
     from distlab.grading.rankside import run_case as on_rank
-    from distlab.grading.safeload import safe_loads
+    from distlab.grading.safeload import plain_loads
     from distlab.engine.launch import LaunchStalled, LaunchTimeout, launch
     streams = _Streams(folder, case.world_size)
     record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
     try:
         outputs = launch(on_rank, case.world_size, job["lab"], task.name, index, job["cells"], job["names"][task.name],
                          streams.paths, job["cap_s"], backend=job["backend"], stall=job["stall_s"],
-                         timeout=job["cap_s"], loads=safe_loads)
+                         timeout=job["cap_s"], loads=plain_loads)
         if not all(isinstance(o, bytes) for o in outputs):
-            raise TypeError("a rank returned something other than its pickled outputs")
+            raise TypeError("a rank returned something other than its outputs (safetensors bytes)")
         record.update(status="ok", outputs=[base64.b64encode(o).decode() for o in outputs])
     except Exception as exc:  # noqa: BLE001 - every failure is a line of the report
         stuck = "hung" if isinstance(exc, LaunchStalled) else "ran past the cap" if isinstance(exc, LaunchTimeout) \
@@ -182,15 +186,48 @@ class _Capped:
             pass
 
 
+def drop_to(uid: int) -> None:
+    """Become `uid` (gid the same, no supplementary groups) for good; refuse to go on as root."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    if os.getuid() == 0 or os.geteuid() == 0:
+        raise SystemExit("distlab grade: the runner could not drop root")
+    try:
+        os.setuid(0)
+    except PermissionError:
+        return
+    raise SystemExit("distlab grade: the runner could take root back")
+
+
+def limits(job: dict) -> None:
+    """Per-process limits every rank inherits (see `distlab.grading.sandbox.Limits`)."""
+    import resource
+    want = {resource.RLIMIT_NPROC: job.get("max_procs"), resource.RLIMIT_DATA: job.get("max_memory"),
+            resource.RLIMIT_CPU: job.get("max_cpu_s"), resource.RLIMIT_NOFILE: job.get("max_files")}
+    for which, value in want.items():
+        if not value:
+            continue
+        value = int(value)
+        _, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY and hard < value:
+            value = hard
+        resource.setrlimit(which, (value, value))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlab.grading.runner")
     ap.add_argument("--result-fd", type=int, required=True)
     ap.add_argument("--secret-fd", type=int, required=True)
+    ap.add_argument("--uid", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.uid is not None:
+        drop_to(args.uid)
     from distlab.checks import lab_module
     from distlab.checks.task import later_cases_reason
     from distlab.engine.launch import _PRELOAD
     job = json.load(sys.stdin)
+    limits(job)
     module = lab_module(job["lab"])        # imported here, the ranks (forked from the fork server) have it too
     # what the ranks would otherwise import again on every launch: the lab's own list, else the launcher's
     for name in (*getattr(module, "RANK_IMPORTS", _PRELOAD), "distlab.grading.rankside", "distlab.grading.safeload",

@@ -1,90 +1,64 @@
-"""Unpickling what learner processes produced, without ever running their code.
+"""Reading the launcher's per-rank files in the sandbox runner: plain data only, in bounded time.
 
-Everything a rank hands back (results, error reports) was written by a
-process that ran learner code, so it is read with `safe_loads`: an
-unpickler that resolves only an explicit list of classes and functions
-(containers, numbers, CPU tensors rebuilt by torch, dtypes, sizes, devices,
-and distlab's meter snapshots). A learner's class, a function, or a
-`__reduce__` trick is refused with `UnsafeResult`; the check then fails,
-and nothing of the learner's runs in the grader. Never call
-`cloudpickle.loads` / `pickle.loads` on such bytes.
+`distlab.launch` hands a rank's return value and error report over as
+pickles, and a rank runs learner code, which can write anything into those
+files (or replace the function that writes them). The grader itself never
+reads a pickle (a rank's outputs reach it as safetensors + JSON, see
+`distlab.grading.wire`); the runner reads these with `plain_loads`, which
+first walks the opcodes (at most `MAX_OPS`) and refuses every opcode outside
+a short list: no globals (so nothing is called), no tuples, sets or frozensets
+(so nothing is hashed but strings: no hash bomb), no memo reads (so no shared
+sub-objects: memory stays linear in the size). What passes is bytes, strings,
+numbers, None, booleans, lists and dicts keyed by those: `UnsafeResult` for
+anything else.
 """
 from __future__ import annotations
 
-import io
 import pickle
+import pickletools
 from typing import Any
 
-MAX_BYTES = 256 << 20     # one rank's pickled outputs; a check's outputs are kilobytes to megabytes
+MAX_BYTES = 40 << 20      # a rank's pickled result: its outputs (resultcheck.MAX_BLOB) and a little framing
+MAX_OPS = 100_000
+ALLOWED = frozenset({
+    "PROTO", "FRAME", "STOP", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "MARK",
+    "NONE", "NEWTRUE", "NEWFALSE", "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "BINFLOAT", "FLOAT",
+    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
+    "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING",
+    "EMPTY_LIST", "LIST", "APPEND", "APPENDS", "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
+})
 
 
 class UnsafeResult(pickle.UnpicklingError):
-    """The bytes name something the grader does not unpickle, or are not a pickle at all."""
-
-
-def _load_storage(data: bytes) -> Any:
-    """torch.storage._load_from_bytes without weights_only=False (which would run any pickle)."""
-    import torch
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def _allowed() -> dict[tuple[str, str], Any]:
-    import collections
-
-    import torch
-    import torch._utils
-
-    from distlab.meters.comm import CommStats
-    from distlab.meters.memory import MemoryStats, ModelState
-    table: dict[tuple[str, str], Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-        ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
-        ("torch.storage", "_load_from_bytes"): _load_storage,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("torch", "Size"): torch.Size,
-        ("torch", "device"): torch.device,
-        ("distlab.meters.comm", "CommStats"): CommStats,
-        ("distlab.meters.memory", "MemoryStats"): MemoryStats,
-        ("distlab.meters.memory", "ModelState"): ModelState,
-    }
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            table["torch", name] = value
-    for name in ("list", "dict", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes",
-                 "bytearray", "bool", "slice"):
-        table["builtins", name] = getattr(__import__("builtins"), name)
-    return table
-
-
-_TABLE: dict[tuple[str, str], Any] | None = None
+    """The bytes hold something outside plain data, are too large, or are not a pickle at all."""
 
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        global _TABLE
-        if _TABLE is None:
-            _TABLE = _allowed()
-        try:
-            return _TABLE[module, name]
-        except KeyError:
-            raise UnsafeResult(
-                f"the ranks returned a {module}.{name}, which the grader does not unpickle "
-                "(only tensors, numbers, strings, containers and distlab's meter snapshots)") from None
+        raise UnsafeResult(f"the ranks returned a {module}.{name}, which the grader does not read")
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeResult("the ranks returned a pickle with persistent ids")
 
 
-def safe_loads(data: bytes) -> Any:
-    """Unpickle `data` from a learner process; raise UnsafeResult for anything outside the list."""
+def plain_loads(data: bytes) -> Any:
+    """Unpickle `data` from a learner process if it holds plain data only (see the module docstring)."""
     if not isinstance(data, (bytes, bytearray)):
         raise UnsafeResult(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_BYTES:
-        raise UnsafeResult(f"the ranks returned {len(data) >> 20} MiB (limit {MAX_BYTES >> 20} MiB)")
+        raise UnsafeResult(f"the rank returned {len(data) >> 20} MiB (limit {MAX_BYTES >> 20} MiB)")
     try:
-        return _Unpickler(io.BytesIO(data)).load()
+        for count, (op, _, _) in enumerate(pickletools.genops(bytes(data))):
+            if count >= MAX_OPS:
+                raise UnsafeResult(f"the rank returned a pickle of more than {MAX_OPS} operations")
+            if op.name not in ALLOWED:
+                raise UnsafeResult(f"the rank returned a pickle with the operation {op.name}, which the "
+                                   "grader does not read (only plain bytes, strings, numbers, lists and dicts)")
+        return _Unpickler(__import__("io").BytesIO(data)).load()
     except UnsafeResult:
         raise
     except Exception as exc:  # noqa: BLE001 - truncated or garbled bytes
         raise UnsafeResult(f"unreadable result ({type(exc).__name__}: {str(exc)[:100]})") from None
+
+
+safe_loads = plain_loads     # the name the rank side and the tests used

@@ -6,7 +6,14 @@ Linux the runner runs inside `bwrap` (`argv()`):
 
 - its own PID, IPC, UTS and network namespaces: the grader's processes are
   invisible, only loopback exists (enough for gloo);
-- an unprivileged uid (65534) in its own user namespace, no capabilities;
+- a real unprivileged uid: run by an ordinary account, uid 65534 in its own
+  user namespace (the account's own uid outside); run as root, bwrap keeps no
+  user namespace (inside one, uid 65534 would still be root outside) and the
+  runner drops to a uid of its own (`UID_BASE` + a slot per concurrent
+  submission) before anything else, so host files such as /etc/shadow are
+  unreadable;
+- resource limits per process (`Limits`): processes and threads (per uid, so
+  per submission), memory (RLIMIT_DATA), CPU seconds, file size;
 - a filesystem that holds only the system directories, the Python
   environment and the `distlab` package, all read-only: no `solutions/`, no
   `labs/`, no grader files, no other submission; a private `/tmp`;
@@ -40,7 +47,8 @@ from distlab.engine import procs
 from distlab.grading.channel import new_key, read_records
 
 MAX_FILE_BYTES = 64 << 20           # RLIMIT_FSIZE for everything in the sandbox (ranks' output floods)
-MAX_RESULT_BYTES = 1 << 30          # all records of one submission
+MAX_RESULT_BYTES = 256 << 20        # all records of one submission: past it the runner is stopped at once
+UID_BASE = 61000                    # run as root: the runner of concurrent submission k becomes UID_BASE + k
 TMP_BYTES = 2 << 30                 # the sandbox's private /tmp and /dev/shm
 TOKEN_VAR = "DISTLAB_GRADE_TOKEN"   # marks processes to stop when running without a sandbox
 # Passed into the sandbox: every DISTLAB_* setting (a task's cases may depend on one, and the grader computed
@@ -65,11 +73,41 @@ def _read_only_roots() -> list[str]:
     return [r for r in out if not any(r != o and r.startswith(o + os.sep) for o in out)]
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one submission's processes (0: none)."""
+
+    procs: int = 512                 # processes + threads of its uid (a fork or thread bomb stops here)
+    memory_bytes: int = 6 << 30      # RLIMIT_DATA of each process (heap and anonymous mappings: tensors)
+    cpu_s: float = 0.0               # RLIMIT_CPU of each process; 0: the submission cap
+
+    def job(self, cap_s: float) -> dict:
+        return {"max_procs": self.procs, "max_memory": self.memory_bytes, "max_cpu_s": int(self.cpu_s or cap_s)}
+
+
+def as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _parents(paths: list[str]) -> list[str]:
+    """Every folder above `paths` (outermost first): bwrap would create them 0700 when run as root."""
+    out: list[str] = []
+    for p in paths:
+        parts = p.strip("/").split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            d = "/" + "/".join(parts[:i])
+            if d not in out:
+                out.append(d)
+    return out
+
+
 def argv(user_ns: bool = True) -> list[str]:
     """The bwrap command line that wraps the runner (see the module docstring)."""
     cmd = [bwrap_path() or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
            "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
-    if user_ns:
+    if as_root():     # the runner drops to an unprivileged uid itself (run(..., uid=...))
+        cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    elif user_ns:
         cmd += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
     for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc"):
         if os.path.islink(top):
@@ -78,9 +116,13 @@ def argv(user_ns: bool = True) -> list[str]:
             cmd += ["--ro-bind", top, top]
     # The private /tmp first, the environment and package after it: a checkout or venv that lives
     # under /tmp is bound on top of the empty tmpfs (mounted later, the tmpfs would hide it).
-    cmd += ["--dev", "/dev", "--proc", "/proc", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
-            "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm"]
-    for root in _read_only_roots():
+    cmd += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm"]
+    roots = _read_only_roots()
+    for parent in _parents(roots):
+        if not any(parent == top or parent.startswith(top + "/") for top in ("/usr", "/tmp", "/etc")):
+            cmd += ["--perms", "0755", "--dir", parent]
+    for root in roots:
         cmd += ["--ro-bind", root, root]
     gpus = sorted(glob.glob("/dev/nvidia*"))
     for node in gpus:
@@ -128,9 +170,36 @@ class Outcome:
     cpu_s: float = 0.0          # CPU seconds of the runner, its fork server and every rank (when it finished)
 
 
+_slots: set[int] = set()
+_slots_lock = threading.Lock()
+
+
+def _take_slot() -> int:
+    with _slots_lock:
+        k = next(i for i in range(len(_slots) + 1) if i not in _slots)
+        _slots.add(k)
+        return k
+
+
+def _give_slot(k: int) -> None:
+    with _slots_lock:
+        _slots.discard(k)
+
+
 def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
-        on_record: Callable[[dict], None] | None = None) -> Outcome:
+        on_record: Callable[[dict], None] | None = None, limits: Limits | None = None,
+        max_result_bytes: int = MAX_RESULT_BYTES) -> Outcome:
     """Run the runner on `job` (inside `sandbox`, a bwrap argv, or directly when None)."""
+    slot = _take_slot()
+    try:
+        return _run(job, sandbox=sandbox, cap_s=cap_s, log=log, on_record=on_record, slot=slot,
+                    limits=limits or Limits(), max_result_bytes=max_result_bytes)
+    finally:
+        _give_slot(slot)
+
+
+def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_record: Callable[[dict], None] | None,
+         slot: int, limits: Limits, max_result_bytes: int) -> Outcome:
     start = time.monotonic()
     secret = new_key()
     res_r, res_w = os.pipe()
@@ -139,6 +208,9 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
            "--secret-fd", str(sec_r)]
     workdir = None
     if sandbox is not None:
+        if "--cap-add" in sandbox:      # bwrap run as root (see argv): the runner drops to its own uid
+            cmd += ["--uid", str(UID_BASE + slot)]
+        job = {**job, **limits.job(cap_s)}
         cmd, cwd, env = sandbox + ["--"] + cmd, "/", None
     else:
         workdir = tempfile.mkdtemp(prefix="distlab-grade-")
@@ -154,16 +226,21 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
             os.close(sec_r)
         os.write(sec_w, secret)
         os.close(sec_w)
-        reader = threading.Thread(target=_pump, args=(res_r, received, secret, on_record), daemon=True)
+        overflow = threading.Event()
+        reader = threading.Thread(target=_pump, args=(res_r, received, secret, on_record, max_result_bytes,
+                                                      overflow), daemon=True)
         reader.start()
         feeder = threading.Thread(target=_feed, args=(proc, json.dumps(job).encode()), daemon=True)
         feeder.start()      # a thread: the runner reads its job only after importing torch
         try:
-            code = proc.wait(timeout=cap_s)
-        except subprocess.TimeoutExpired:
-            code = None
-            out.failure = (f"stopped after {cap_s:g} s (the last-resort cap on one submission): "
-                           "its ranks kept working without finishing")
+            code = _wait(proc, cap_s, overflow)
+            if overflow.is_set():
+                code = None
+                out.failure = (f"its ranks sent more than {max_result_bytes >> 20} MiB of results: stopped "
+                               "at once, not graded")
+            elif code is None:
+                out.failure = (f"stopped after {cap_s:g} s (the last-resort cap on one submission): "
+                               "its ranks kept working without finishing")
         finally:
             _stop(proc, env.get(TOKEN_VAR) if env else None)
             reader.join(timeout=30)
@@ -183,6 +260,17 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
     return out
 
 
+def _wait(proc: subprocess.Popen, cap_s: float, overflow: threading.Event) -> int | None:
+    """The runner's exit code; None when it ran past `cap_s` or its results overflowed (then it is stopped)."""
+    deadline = time.monotonic() + cap_s
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            if overflow.is_set() or time.monotonic() >= deadline:
+                return None
+
+
 def _feed(proc: subprocess.Popen, data: bytes) -> None:
     try:
         proc.stdin.write(data)
@@ -200,15 +288,21 @@ def _exit_words(code: int | None) -> str:
         return f"exited with code {code}"
 
 
-def _pump(fd: int, into: bytearray, secret: bytes, on_record: Callable[[dict], None] | None) -> None:
-    """Collect the runner's bytes (capped); hand each verified record to `on_record` as it arrives."""
+def _pump(fd: int, into: bytearray, secret: bytes, on_record: Callable[[dict], None] | None,
+          max_bytes: int = MAX_RESULT_BYTES, overflow: threading.Event | None = None) -> None:
+    """Collect the runner's bytes (at most `max_bytes`: past it, set `overflow` and stop reading); hand each
+    verified record to `on_record` as it arrives."""
     seen = 0
     while True:
         try:
             chunk = os.read(fd, 1 << 20)
         except OSError:
             return
-        if not chunk or len(into) + len(chunk) > MAX_RESULT_BYTES:
+        if not chunk:
+            return
+        if len(into) + len(chunk) > max_bytes:
+            if overflow is not None:
+                overflow.set()
             return
         into += chunk
         if on_record is not None:
