@@ -1,5 +1,6 @@
 """Lab 7's graded tasks: Megatron's f and g, column- and row-parallel linears, a tensor-parallel MLP,
-attention and model, and the sequence-parallel variant.
+attention and model, the sequence-parallel variant (`ch07_sp`), and context parallelism: zig-zag ring
+attention and Ulysses (`ch07_cp`).
 
 Every task runs the learner's classes on 2 and 4 real ranks (the f/g task also on 4 ranks split
 into two groups of 2) on chapter 7's model (`distlab.course.tensor_parallel.model`, preset 'tp-tiny': h = 32, 8 heads,
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
+from distlab.checks.ch07_cp import UlyssesTask, ZigzagTask
 from distlab.checks.ch07_sp import SPBlockTask, SPOpsTask
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import CheckFailed, expect
@@ -347,6 +349,8 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     TrainTask(),
     SPOpsTask(),
     SPBlockTask(),
+    ZigzagTask(),
+    UlyssesTask(),
 )}
 
 grade = grader(TASKS)
