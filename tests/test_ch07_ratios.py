@@ -27,7 +27,7 @@ def lecture_ring() -> types.ModuleType:
     sys.modules[mod.__name__] = mod
     exec("import math\nimport torch\nimport torch.distributed as dist\n"
          "from distlab.course.tensor_parallel.model import attention_core\n"
-         + "\n\n".join(cells[first:last + 1]), mod.__dict__)
+         + "\n\n".join(s for s in cells[first:last + 1] if s.startswith(("def ", "class "))), mod.__dict__)
     cloudpickle.register_pickle_by_value(mod)
     return mod
 

@@ -69,3 +69,21 @@ def test_vocabulary_parallel_cross_entropy_takes_three_all_reduces():
     assert "three all-reduces of B×S numbers" in text and "two all-reduces of B×S numbers" not in text
     answer = (ROOT / "solutions/exercises/07_tensor_parallel.md").read_text().replace("\n", " ")
     assert "Three all-reduces of B×S numbers" in answer
+
+
+def test_dropout_rng_under_tp_one_seed_for_replicas_one_per_rank_inside():
+    """Lecture 07's pitfall, measured on 2 ranks: a seed per rank desynchronises the replicated output; one seed
+    keeps it but draws the same attention masks on every rank's heads; the TP-region RNG gives both."""
+    import distlab
+    from distlab.course.tensor_parallel.dropout_rng import agreement, dropout_rng_runs
+    modes = ("seed per rank", "one seed", "one seed + TP-region RNG")
+    r0, r1 = distlab.launch(dropout_rng_runs, 2, "tp-small", 2, modes)
+    independent = 1 - 2 * 0.1 * 0.9
+    per_rank, one, tracker = ((r0[m], r1[m]) for m in modes)
+    assert (per_rank[0]["out"] - per_rank[1]["out"]).abs().max() > 0.1
+    assert agreement(per_rank[0]["attn"][0], per_rank[1]["attn"][0]) == pytest.approx(independent, abs=0.02)
+    assert torch.equal(one[0]["out"], one[1]["out"])
+    assert agreement(one[0]["attn"][0], one[1]["attn"][0]) == 1.0
+    assert torch.equal(tracker[0]["out"], tracker[1]["out"])
+    assert agreement(tracker[0]["resid"][0], tracker[1]["resid"][0]) == 1.0
+    assert agreement(tracker[0]["attn"][0], tracker[1]["attn"][0]) == pytest.approx(independent, abs=0.02)
