@@ -20,6 +20,11 @@ Each tensor is classed by where it came from:
 
 A host tensor with more than one element may not enter a collective or meet a
 placed tensor in an op (`copy_`, `.to` and item access excepted, as on a GPU).
+Under the strict backend (`DeviceAudit(strict=True)`) no host tensor may enter a
+collective, whatever its size: NCCL refuses 0-dim and 1-element CPU tensors too
+(only ops, not collectives, accept a 0-dim CPU tensor beside CUDA ones). Tensors
+that reach a rank as `launch()` arguments are host tensors (on a GPU box they
+arrive on the CPU).
 A violation raises `DeviceAuditError` on the rank, naming the op, the shape and
 the line that created the host tensor. `fully_shard` without `mesh=` is
 refused too: it builds its mesh on the machine's accelerator type, not on the
@@ -137,9 +142,12 @@ def _place(t: torch.Tensor) -> str | None:
 class _FunctionAudit(TorchFunctionMode):
     """Sees every torch call with its original arguments: classes results, refuses mixing."""
 
-    def __init__(self, book: _Book) -> None:
+    def __init__(self, book: _Book, strict: bool = False) -> None:
         super().__init__()
         self.book = book
+        # The smallest host tensor a collective refuses: NCCL refuses every one; the plain audit lets
+        # 0-dim and 1-element ones through (gloo-era code that NCCL's strict run still catches).
+        self.min_numel = 1 if strict else 2
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -147,7 +155,7 @@ class _FunctionAudit(TorchFunctionMode):
         module = getattr(func, "__module__", None) or ""
         if module == _C10D or (module.startswith("torch._ops") and _namespace(func) in _C10D_OPS):
             for t in _tensors(kwargs, _tensors(args)):
-                if _place(t) == HOST and t.numel() > 1:
+                if _place(t) == HOST and t.numel() >= self.min_numel:
                     raise DeviceAuditError(
                         f"device audit: the collective {name} got a {_describe(t)} created "
                         f"without a device at {self.book.born(t)}. Under NCCL every tensor "
@@ -222,9 +230,17 @@ def _refuse_meshless_fully_shard(*args: Any, **kwargs: Any) -> Any:
 class DeviceAudit:
     """Context manager: audit device placement on this (CPU) rank. See the module docstring."""
 
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+
+    def mark_host(self, tree: Any, born: str) -> None:
+        """Class every tensor in `tree` (lists, tuples, dicts) as a host tensor born at `born`."""
+        for t in _tensors(tree):
+            self.book.mark(t, HOST, born)
+
     def __enter__(self) -> "DeviceAudit":
         self.book = _Book()
-        self._mode = _FunctionAudit(self.book)
+        self._mode = _FunctionAudit(self.book, strict=self.strict)
         self._mode.__enter__()
         self._patched = []
         # torch turns a function mode off while it handles a call, and backward() is such a call: the backward

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from distlab.engine import procs
 from distlab.engine import runtime as _runtime
+from distlab.engine import strict as _strict
 
 BACKENDS = ("auto", "nccl", "gloo")
 # A last resort only: hangs are found by lack of progress (`stall`), not by the clock.
@@ -97,8 +98,9 @@ class LaunchStalled(LaunchTimeout):
     """
 
     def __init__(self, ranks: list[int], stall_s: float, stacks: dict[int, str], finished: list[int],
-                 notes: dict[int, str] | None = None):
+                 notes: dict[int, str] | None = None, detail: dict[int, str] | None = None):
         self.stacks = stacks
+        self.detail = detail or {}
         self.where = {r: _innermost(stacks.get(r, "")) for r in ranks}
         self.notes = notes or {}
         lines = [f"rank(s) {ranks} waited {stall_s:g} s without doing any work: they wait for "
@@ -106,6 +108,8 @@ class LaunchStalled(LaunchTimeout):
         for r in ranks:
             lines.append(f"  rank {r} is stuck at {self.where[r] or 'an unknown place'}"
                          + (f" (it was doing: {self.notes[r]})" if self.notes.get(r) else ""))
+            if self.detail.get(r):
+                lines.append(f"    {self.detail[r]}")
         if finished:
             lines.append(f"  rank(s) {finished} had already returned.")
         lines.append("A collective (or a recv) that not every rank reaches in the same order waits forever: "
@@ -331,14 +335,48 @@ def _notes(stuck: list[int], workdir: str) -> dict[int, str]:
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe")
 
 
+# What NCCL's watchdog writes to a rank's stderr when a collective outlives the group's timeout
+# (the stall window, under distlab.launch) before it aborts the process.
+_WATCHDOG = "Watchdog caught collective operation timeout"
+# A rank's own report of the same thing on the strict backend (distlab.engine.strict).
+_STALL_TYPES = ("StrictStall", "CollectiveTimeout")
+
+
+def _watchdog_line(workdir: str, r: int) -> str:
+    try:
+        with open(os.path.join(workdir, f"rank{r}.errlog"), errors="replace") as f:
+            lines = [line.strip() for line in f if _WATCHDOG in line]
+    except OSError:
+        return ""
+    return lines[0] if lines else ""
+
+
 def _failure(ranks: list[Any], workdir: str, r: int, loads: Callable[[bytes], Any]) -> dict[str, Any]:
     err = _read_error(workdir, r, loads)
     if err is None:
         ranks[r].join(timeout=1)
-        err = {"type": "ProcessDied", "traceback": "",
-               "message": f"the process exited with code {ranks[r].exitcode} without a Python "
-                          "error (killed, out of memory, or os._exit)"}
+        watchdog = _watchdog_line(workdir, r)
+        if watchdog:
+            err = {"type": "CollectiveTimeout", "traceback": "",
+                   "message": f"rank {r}: NCCL's watchdog stopped it after the stall window: {watchdog}"}
+        else:
+            err = {"type": "ProcessDied", "traceback": "",
+                   "message": f"the process exited with code {ranks[r].exitcode} without a Python "
+                              "error (killed, out of memory, or os._exit)"}
     return err
+
+
+def _as_stack(err: dict[str, Any]) -> str:
+    """Where a stalled rank's op was issued, in faulthandler's shape (innermost frame first): the line the
+    strict backend names ("issued at fn (file:line)"), else the rank's traceback."""
+    import re
+    issued = re.search(r"issued at (\S+) \((.+):(\d+)\)", err.get("message", ""))
+    if issued:
+        fn, path, line = issued.groups()
+        return f'File "{path}", line {line} in {fn}'
+    frames = [line.strip().replace(", in ", " in ") for line in err.get("traceback", "").splitlines()
+              if line.strip().startswith("File ")]
+    return "\n".join(reversed(frames))
 
 
 def _root_cause(failed: dict[int, dict[str, Any]]) -> int:
@@ -408,6 +446,14 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
                     failed[q] = _failure(ranks, workdir, q, loads)
             r = _root_cause(failed)
             err = failed[r]
+            if err["type"] in _STALL_TYPES:
+                # A collective no peer joined, reported by the rank itself (the strict backend) or by NCCL's
+                # watchdog: a stall, found by the group's timeout where CPU time could not tell.
+                stalled = sorted(q for q in failed if failed[q]["type"] in _STALL_TYPES)
+                done = sorted(set(range(len(ranks))) - pending - set(failed))
+                raise LaunchStalled(stalled, stall_s, {q: _as_stack(failed[q]) for q in stalled},
+                                    done, _notes(stalled, workdir),
+                                    detail={q: failed[q]["message"] for q in stalled})
             others = f"unfinished at that moment: {sorted(pending)}" if pending else ""
             if len(failed) > 1:
                 others = "; ".join(filter(None, [others, f"also failed: {sorted(set(failed) - {r})}"]))
@@ -426,7 +472,7 @@ def audit_requested() -> bool:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float | None = None, stall: float | None = None, audit: bool | None = None,
-           loads: Callable[[bytes], Any] | None = None, **kwargs: Any) -> list[Any]:
+           strict: bool | None = None, loads: Callable[[bytes], Any] | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results by rank.
 
     The process group is up before `fn` starts and torn down after it ends.
@@ -435,6 +481,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     `timeout` (seconds, default 4 h): a last-resort cap on the whole launch.
     `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU ranks, enforce the rule a
     GPU enforces (see `distlab.engine.audit`).
+    `strict` (default: $DISTLAB_STRICT): CPU ranks run on the strict backend,
+    gloo with NCCL's semantics (see `distlab.engine.strict`); it implies `audit`.
+    On NCCL the process group's timeout is the stall window: a rank spinning
+    behind a hung kernel looks busy to the CPU-time monitor, and the group's
+    watchdog is what reports the collective that never completed.
     `loads` (default `cloudpickle.loads`) reads each rank's result and error
     report; `distlab grade` passes a safe unpickler, since learner code runs
     on the ranks and can write anything into those files.
@@ -449,6 +500,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     if timeout <= 0 or stall <= 0:
         raise ValueError(f"timeout and stall must be positive seconds, got timeout={timeout}, stall={stall}")
     audit = audit_requested() if audit is None else bool(audit)
+    strict = (_strict.requested() if strict is None else bool(strict)) and backend == "gloo"
+    audit = audit or strict
     payload = _pickle_payload(fn, args, kwargs)
     # Quiet c10d's C++ INFO/WARNING lines in the ranks (they vary run to run).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -465,7 +518,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_runtime.worker_main, name=f"distlab-rank{r}",
                             args=(r, world_size, backend, store.port, payload, workdir,
-                                  timeout, send_end, audit))
+                                  timeout, send_end, audit, stall, strict))
             with _without_main_module():
                 p.start()
             send_end.close()  # the child holds the only write end: EOF means it died

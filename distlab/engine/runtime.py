@@ -9,6 +9,7 @@ works in both places:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -53,8 +54,12 @@ def local_rank() -> int:
 
 
 def backend() -> str:
-    """'nccl', 'gloo', or 'none' outside a group."""
-    return dist.get_backend() if dist.is_initialized() else "none"
+    """'nccl', 'gloo', or 'none' outside a group. The strict backend (gloo with NCCL's rules, see
+    `distlab.engine.strict`) reports 'gloo': its ranks are CPU ranks."""
+    if not dist.is_initialized():
+        return "none"
+    name = dist.get_backend()
+    return "gloo" if name == "strict" else name
 
 
 def device() -> torch.device:
@@ -159,8 +164,16 @@ def _stack_on_request(path: str) -> None:
         faulthandler.register(signal.SIGUSR1, file=f, all_threads=False, chain=False)
 
 
+def group_timeout_s(backend_name: str, timeout_s: float, stall_s: float | None) -> float:
+    """The process group's timeout. On NCCL it is the stall window: a rank blocked behind a hung kernel
+    spins at 100% CPU, so only the group's watchdog can tell it from a working one (its error names the
+    op). Elsewhere the launch's cap: gloo blocks with the CPU idle, and the launcher sees that."""
+    return float(stall_s) if backend_name == "nccl" and stall_s else float(timeout_s)
+
+
 def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
-                payload: bytes, workdir: str, timeout_s: float, notify: Any, audit: bool = False) -> None:
+                payload: bytes, workdir: str, timeout_s: float, notify: Any, audit: bool = False,
+                stall_s: float | None = None, strict: bool = False) -> None:
     """Entry point of one rank started by `distlab.launch`.
 
     Writes `rank{r}.ok` (the pickled return value) or `rank{r}.err` (type,
@@ -184,15 +197,28 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size_, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        init_process_group(backend_name, timeout_s=timeout_s, store=store,
+        group_timeout = group_timeout_s(backend_name, timeout_s, stall_s)
+        if strict:
+            from distlab.engine import strict as strict_mod
+            strict_mod.register()
+            strict_mod.STALL_S = stall_s
+            backend_name = strict_mod.STRICT_BACKEND
+        init_process_group(backend_name, timeout_s=group_timeout, store=store,
                            rank_=rank_, world_size_=world_size_)
         fn, args, kwargs = cloudpickle.loads(payload)
-        if audit and backend_name != "nccl":
-            from distlab.engine.audit import DeviceAudit
-            with DeviceAudit():
-                result = fn(*args, **kwargs)
-        else:
+        with contextlib.ExitStack() as rules:
+            if audit and backend_name != "nccl":
+                from distlab.engine.audit import DeviceAudit
+                audit_ = rules.enter_context(DeviceAudit(strict=strict))
+                # On a GPU box, tensors passed to launch() arrive on each rank as CPU tensors.
+                audit_.mark_host((args, kwargs), "an argument of launch()")
+            if strict:
+                rules.enter_context(strict_mod.strict_rank())
             result = fn(*args, **kwargs)
+        if backend_name == "nccl":
+            # The rank's queued kernels finish before it reports success: a collective that no peer joined
+            # surfaces here (NCCL's watchdog stops it after the stall window), not as a rank that "returned".
+            torch.cuda.synchronize()
         result = _to_cpu(result)
         try:
             blob = cloudpickle.dumps(result)
