@@ -113,16 +113,21 @@ def _fake_resizes_booked() -> Iterator[None]:
 
 
 @contextmanager
-def _python_data_unbooked() -> Iterator[None]:
-    """A tensor made from Python data (`torch.tensor(0.0)`: AdamW's step counter) is born outside the
-    dispatcher on a real CPU, so `track_memory` never books it; a fake run lifts it into a fake tensor
-    through the dispatcher (`aten.lift_fresh`). The tracker lets that op pass unbooked, as on real memory."""
+def _tracker_on_fake_tensors() -> Iterator[None]:
+    """Two ops `track_memory` sees only on fake tensors, passed through unbooked:
+
+    - `aten.lift_fresh`: a tensor made from Python data (`torch.tensor(0.0)`, AdamW's step counter) is
+      born outside the dispatcher on a real CPU, so the tracker never books it; a fake run lifts it into
+      a fake tensor through the dispatcher. Unbooked, as on real memory.
+    - `prim.device`: asking a fake tensor its device is itself an op (half of all ops in a simulation);
+      it allocates nothing.
+    """
     from distlab.meters import memory
     original = memory._StorageTracker.__torch_dispatch__
-    lift = torch.ops.aten.lift_fresh.default
+    passed = (torch.ops.aten.lift_fresh.default, torch.ops.prim.device.default)
 
     def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is lift:
+        if func in passed:
             return func(*args, **(kwargs or {}))
         return original(self, func, types, args, kwargs)
 
@@ -176,7 +181,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[Any]:
                            "fake one. Run it outside distlab.launch's ranks (in the notebook's kernel).")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with (FakeTensorMode() as mode, _fake_addresses(), _fake_resizes_booked(), _python_data_unbooked(),
+        with (FakeTensorMode() as mode, _fake_addresses(), _fake_resizes_booked(), _tracker_on_fake_tensors(),
               _ddp_on_fake_backend()):
             yield mode
     finally:
@@ -274,15 +279,17 @@ class StepBytes:
 
 
 def measure_step(name: str, config: GPTConfig, classes: dict[str, Any] | None = None, *,
-                 batch_size: int, bucket_size_mb: float = 25.0) -> StepBytes:
+                 batch_size: int, bucket_size_mb: float = 25.0, steps: int | None = None) -> StepBytes:
     """On every rank (real or fake): build the bf16 course model and `name`, train on the rank's slice
-    of a `batch_size`-row batch; the figures of the second step (the first creates the optimizer states).
+    of a `batch_size`-row batch; the figures of the last of `steps` steps (default 2: the first creates
+    the optimizer states; with steps=1 the model states at its end are the same, and its peak includes
+    their birth).
 
     DDP is measured on its first step: before its second forward it re-orders its buckets by the order
     gradients arrived, agreeing on it across ranks by reading a broadcast tensor's data, which a fake
     run does not have. Its optimizer states are born inside that step (they are alive at its end).
     """
-    steps = 1 if name == "ddp" else 2
+    steps = 1 if name == "ddp" else (steps or 2)
     from distlab.engine import runtime as rt
     fake = dist.get_backend() == "fake"
     with track_memory("cpu" if fake else None) as mem:
@@ -337,7 +344,7 @@ class SimResult:
 
 def simulate(name: str, *, num_params: float | None = None, config: GPTConfig | None = None, world_size: int,
              classes: dict[str, Any] | None = None, micro_batch: int = 1, bucket_size_mb: float = 25.0,
-             native_bf16: bool = True) -> SimResult:
+             native_bf16: bool = True, steps: int | None = None) -> SimResult:
     """Simulate one training step of strategy `name` as rank 0 of `world_size`, with a model of
     `num_params` parameters (`scale_config`) or of `config`. Each rank trains `micro_batch` rows.
 
@@ -356,7 +363,7 @@ def simulate(name: str, *, num_params: float | None = None, config: GPTConfig | 
     try:
         with fake_world(world_size):
             out = measure_step(name, config, classes, batch_size=micro_batch * world_size,
-                               bucket_size_mb=bucket_size_mb)
+                               bucket_size_mb=bucket_size_mb, steps=steps)
     finally:
         if saved is None:
             os.environ.pop("DISTLAB_NATIVE_BF16", None)
@@ -367,3 +374,36 @@ def simulate(name: str, *, num_params: float | None = None, config: GPTConfig | 
                      time.perf_counter() - start,
                      predicted_model_state_bytes=zero_memory_per_device(psi, world_size, stage),
                      predicted_comm_bytes_per_step=comm_bytes_per_rank(psi, world_size, stage))
+
+
+def simulate_table(num_params: float, world_size: int, classes: dict[str, Any] | None = None, *,
+                   strategies: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3"), **kwargs: Any) -> list[SimResult]:
+    """`simulate` each strategy at one size (rank 0 of `world_size`)."""
+    return [simulate(name, num_params=num_params, world_size=world_size, classes=classes, **kwargs)
+            for name in strategies]
+
+
+def markdown(results: list[SimResult]) -> str:
+    """A Markdown table of simulated results beside the closed forms (GB = 1e9 bytes)."""
+    def gb(x: float) -> str:
+        return f"{x / 1e9:.3f}" if x < 10e9 else f"{x / 1e9:.1f}"
+
+    lines = ["| strategy | params | grads | optimizer | model states | formula | peak (with activations) "
+             "| sent per step | formula | collectives per step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        s = r.model_state
+        calls = ", ".join(f"{k} x{v}" for k, v in sorted(r.comm.calls.items()) if k != "broadcast")
+        lines.append(f"| {r.strategy} | {gb(s.params)} | {gb(s.grads)} | {gb(s.optimizer_state)} | {gb(s.total)} "
+                     f"| {gb(r.predicted_model_state_bytes)} | {gb(r.peak_bytes)} | {gb(r.comm_bytes_per_step)} "
+                     f"| {gb(r.predicted_comm_bytes_per_step)} | {calls} |")
+    return "\n".join(lines)
+
+
+def describe(result: SimResult) -> str:
+    """One line: the model and world a simulation ran."""
+    c = result.config
+    return (f"Simulated as rank 0 of {result.world_size} (fake backend, fake tensors): the course GPT with "
+            f"{result.num_params / 1e9:.3g}B parameters (h = {c.d_model}, {c.n_layers} layers, {c.n_heads} heads, "
+            f"vocabulary {c.vocab_size}), bf16 weights, {c.seq_len} tokens per row. Bytes in GB (1e9); "
+            f"'sent' is algorithmic bytes per rank; the formulas are Ψ-exact closed forms (distlab.theory).")
