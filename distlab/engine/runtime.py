@@ -197,14 +197,18 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size_, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        group_timeout = group_timeout_s(backend_name, timeout_s, stall_s)
         if strict:
             from distlab.engine import strict as strict_mod
             strict_mod.register()
             strict_mod.STALL_S = stall_s
             backend_name = strict_mod.STRICT_BACKEND
-        init_process_group(backend_name, timeout_s=group_timeout, store=store,
+        init_process_group(backend_name, timeout_s=timeout_s, store=store,
                            rank_=rank_, world_size_=world_size_)
+        if backend_name == "nccl":
+            # Connected with the long timeout (NCCL's first init may take seconds); its ops then time out at
+            # the stall window, where the watchdog reports them.
+            dist.distributed_c10d._set_pg_timeout(
+                timedelta(seconds=group_timeout_s(backend_name, timeout_s, stall_s)))
         fn, args, kwargs = cloudpickle.loads(payload)
         with contextlib.ExitStack() as rules:
             if audit and backend_name != "nccl":
