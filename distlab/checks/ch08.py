@@ -1,4 +1,6 @@
-"""Lab 8's graded tasks: a pipeline over send/recv (forward, GPipe, 1F1B) and an offloaded optimizer.
+"""Lab 8's graded tasks: a pipeline over send/recv (forward, GPipe, 1F1B), predictions graded against the
+learner's 1F1B measured, interleaved and zero-bubble schedules as tables (checked by simulation), and
+an offloaded optimizer.
 
 Pipeline tasks run the learner's function on 2 and 4 stage ranks: rank r holds
 stage r of the course GPT (`distlab.course.pipeline.stages.build_stage`), rank 0 gets the
@@ -307,10 +309,160 @@ class OffloadTask(Task):
         return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
 
 
+# ---- schedule tables beyond 1F1B: interleaved and zero-bubble ------------------------------------------------
+
+class TableTask(Task):
+    """The learner writes a schedule as a table, `fn(p, m, r[, v])` -> rank r's actions in order. One rank
+    evaluates it for every rank (learner code); here the tables are simulated
+    (`distlab.course.pipeline.simulate`): F = 1 unit, B = 2 (interleaved), or F = B = W = 1 (zero-bubble).
+    Lines: complete (every action of every micro-batch once per rank), runs (no rank waits for an action
+    that never comes), bubble (the simulated idle share against the closed form), and for the interleaved
+    schedule memory (chunk activations in flight against Megatron-LM's warm-up)."""
+
+    def __init__(self, kind: str, answer: str, cases: tuple[tuple[int, int, int], ...]) -> None:
+        self.name = self.kind = kind
+        self.answers = (answer,)
+        self._cases = cases
+
+    def cases(self) -> list[Case]:
+        out = []
+        for p, m, v in self._cases:
+            head = f"{self.kind}, p={p} m={m}" + (f" v={v}" if self.kind == "interleaved" else "")
+            tail = ("complete", "runs", "bubble") + (("memory",) if self.kind == "interleaved" else ())
+            out.append(Case(1, tuple(f"{head}, {t}" for t in tail), {"p": p, "m": m, "v": v}))
+        return out
+
+    def exercise(self, case: Case, fn: Any) -> list:
+        p, m, v = case.args["p"], case.args["m"], case.args["v"]
+        tables = [fn(p, m, r, v) if self.kind == "interleaved" else fn(p, m, r) for r in range(p)]
+        return [[tuple(int(x) if not isinstance(x, str) else str(x) for x in a) for a in t] for t in tables]
+
+    def reference(self, case: Case) -> None:
+        return None
+
+    def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:
+        from distlab.course.pipeline.simulate import simulate
+        from distlab.course.pipeline.stages import bubble
+        from distlab.theory.pipeline import bubble_fraction, zero_bubble_fraction
+        p, m, v = case.args["p"], case.args["m"], case.args["v"]
+        tables = outputs[0]
+        inter = self.kind == "interleaved"
+        kinds = ("F", "B") if inter else ("F", "B", "W")
+        chunks = range(v) if inter else range(1)
+        state: dict[str, Any] = {}
+
+        def complete() -> str:
+            for r, t in enumerate(tables):
+                want = sorted((k, i, c) for k in kinds for i in range(m) for c in chunks)
+                got = sorted((a[0], a[1], a[2] if len(a) > 2 else 0) for a in t)
+                expect(got == want, f"rank {r}'s table has {len(t)} actions; it must run each of "
+                       f"{', '.join(kinds)} once for every micro-batch" + (" and chunk" if inter else "")
+                       + f" ({len(want)} actions)")
+            return f"every rank runs {' '.join(kinds)} of every micro-batch{' and chunk' if inter else ''} once"
+
+        def runs() -> str:
+            costs = dict(t_f=1, t_b=2, v=v) if inter else dict(t_f=1, t_b=1, t_w=1)
+            try:
+                state["spans"] = simulate(lambda p_, m_, r: tables[r], p, m, **costs)
+            except ValueError as exc:
+                raise CheckFailed(f"the tables deadlock: {exc}. A forward needs the previous stage's forward of "
+                                  "that micro-batch first, a backward the next stage's backward (and its own "
+                                  "forward), a W its B") from None
+            return "the tables run to the end: every action's input is made before it"
+
+        def bubble_line() -> str:
+            if "spans" not in state:
+                raise CheckFailed("not simulated: the tables do not run")
+            got = bubble(state["spans"])
+            want = bubble_fraction(p, m, v) if inter else zero_bubble_fraction(p, m)
+            expect(got <= want + 1e-9, f"simulated bubble {got:.4f}; the schedule reaches {want:.4f} "
+                   + ("(((p - 1)/v)/(m + (p - 1)/v)): warm up 2(p - r - 1) + (v - 1)p chunk forwards, then "
+                      "alternate" if inter else "(ZB-H1): run B at once, postpone up to r W's on rank r"))
+            return f"simulated bubble {got:.4f} (the schedule's {want:.4f})"
+
+        def memory() -> str:
+            for r, t in enumerate(tables):
+                held = peak = 0
+                for a in t:
+                    held += 1 if a[0] == "F" else -1
+                    peak = max(peak, held)
+                limit = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+                expect(peak <= limit, f"rank {r} holds {peak} chunk activations at its peak; Megatron-LM's "
+                       f"interleaved 1F1B holds at most {limit}: start backwards after the warm-up")
+            return "each rank holds at most 2(p - r - 1) + (v - 1)p + 1 chunk activations"
+
+        fns = {"complete": complete, "runs": runs, "bubble": bubble_line, "memory": memory}
+        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
+
+
+# ---- predict with the planner, then measure ------------------------------------------------------------------
+
+class PredictTask(Task):
+    """`my_predictions()` for p = 4 stages, m = 8 micro-batches of 2 rows, then the learner's 1F1B measured
+    there: the bytes rank 1 sends (exact), rank 0's peak (the prediction in micro-batches, plus at most one
+    backward's transient), and the bubble against (p - 1)/(m + p - 1) (a timing is not graded: the
+    prediction is)."""
+
+    name = "predict"
+    answers = ("my_predictions", "one_f_one_b_step")
+    hang_hint = PIPE_HINT
+
+    def cases(self) -> list[Case]:
+        return [Case(4, ("predict, bubble", "predict, peak", "predict, bytes"), {"m": 8})]
+
+    def exercise(self, case: Case, predict: Any, fn: Any) -> dict:
+        out = PipelineTask("1f1b", "", ()).exercise(Case(4, (), {"m": case.args["m"]}), fn)
+        if distlab.rank() == 0:
+            bubble, peak, sent = predict()
+            out["predicted"] = {"bubble": {k: float(v) for k, v in dict(bubble).items()},
+                                "peak": {k: float(v) for k, v in dict(peak).items()}, "sent": float(sent)}
+        return out
+
+    def reference(self, case: Case) -> None:
+        return None
+
+    def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:
+        from distlab.theory.pipeline import activations_in_flight, bubble_fraction
+        p, m = 4, case.args["m"]
+        pred = outputs[0].get("predicted") or {}
+
+        def bubble() -> str:
+            for name in ("gpipe", "1f1b"):
+                got = pred.get("bubble", {}).get(name)
+                expect(got is not None and abs(got - bubble_fraction(p, m)) < 1e-6,
+                       f"predicted bubble for {name}: {got}; both idle (p - 1)/(m + p - 1) of a step")
+            return "GPipe and 1F1B idle (p - 1)/(m + p - 1) = 3/11 of a step"
+
+        def peak() -> str:
+            o = outputs[0]
+            measured = o["peak"] / o["unit"]
+            for name in ("gpipe", "1f1b"):
+                got = pred.get("peak", {}).get(name)
+                expect(got == activations_in_flight(name, p, m, 0),
+                       f"predicted rank 0 peak for {name}: {got} micro-batches; count the forwards rank 0 runs "
+                       "before its first backward, plus that one")
+            expect(pred["peak"]["1f1b"] <= measured < pred["peak"]["1f1b"] + 1,
+                   f"your 1F1B's rank 0 peaked at {measured:.2f} micro-batches: not the predicted "
+                   f"{pred['peak']['1f1b']:g} plus at most one backward's transient")
+            return (f"rank 0's 1F1B peak: the predicted {pred['peak']['1f1b']:g} micro-batches plus at most one "
+                    "backward's transient")
+
+        def sent() -> str:
+            got = outputs[1]["comm"].bytes.get("send", 0)
+            expect(pred.get("sent") == got, f"predicted {pred.get('sent')} bytes sent by rank 1; it sent {got}")
+            return f"rank 1 sent {got:,} bytes, as predicted"
+
+        fns = {"bubble": bubble, "peak": peak, "bytes": sent}
+        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
+
+
 TASKS = {t.name: t for t in (
     PipelineTask("forward", "pipeline_forward", ((2, 2), (4, 4))),
     PipelineTask("gpipe", "gpipe_step", ((2, 4), (4, 6))),
     PipelineTask("1f1b", "one_f_one_b_step", ((2, 4), (4, 2), (4, 6))),
+    PredictTask(),
+    TableTask("interleaved", "interleaved_schedule", ((4, 8, 2), (2, 4, 2))),
+    TableTask("zero_bubble", "zero_bubble_schedule", ((4, 8, 1), (2, 4, 1))),
     OffloadTask("state", ("host", "device")),
     OffloadTask("grads", ("streamed", "released")),
     OffloadTask("step", ("values", "traffic")),
