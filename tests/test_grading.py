@@ -269,6 +269,23 @@ def test_files_that_are_not_notebooks_get_a_one_line_reason(tmp_path, text, reas
     assert str(info.value).startswith(reason) and "\n" not in str(info.value)
 
 
+def test_each_lab_names_its_library_shortcuts_and_the_grader_finds_them_in_the_source():
+    from distlab.grading import shortcuts
+    assert set(shortcuts.SHORTCUTS) == set(__import__("distlab.checks", fromlist=["LABS"]).LABS)
+    assert shortcuts.named("02_ddp", ["from torch.nn.parallel import DistributedDataParallel as D"]) == [
+        "your answer cells use DistributedDataParallel: this lab asks you to write it yourself"]
+    assert shortcuts.named("03_zero1", ["opt = torch.distributed.optim.ZeroRedundancyOptimizer(ps, Adam)"]) == [
+        "your answer cells use ZeroRedundancyOptimizer: this lab asks you to write it yourself"]
+    assert shortcuts.named("08_pipeline", ["from torch.distributed.pipelining import pipeline"]) != []
+    assert shortcuts.named("07_tensor_parallel", ["parallelize_module(m, mesh, plan)"]) != []
+    # a comment or a string is not a use; lab 6 is the FSDP lab; every solution names none of its own
+    assert shortcuts.named("02_ddp", ["# unlike DistributedDataParallel\nx = 'DistributedDataParallel'"]) == []
+    assert shortcuts.named("06_fsdp", ["fully_shard(model)"]) == []
+    for lab in shortcuts.SHORTCUTS:
+        answers, _ = submission.answers(load_lab(lab), submission.read(ROOT / "solutions" / f"{lab}.ipynb"))
+        assert shortcuts.named(lab, [src for _, src in answers]) == [], lab
+
+
 # ---------------------------------------------------------------- the sandbox's view
 
 def test_the_sandbox_shows_the_environment_and_the_package_only():

@@ -119,12 +119,19 @@ def _grade_everything(tmp_path_factory, labs):
         return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "kernel"],
                      out=folder / "kernel_grades", jobs=2, opts=Options(sandbox=box, max_result_bytes=8 << 20))
 
+    def shortcut_run():
+        # lab 02's NaiveDDP as PyTorch's DDP: named in the source (seen here) and built from strings (seen on
+        # the rank); one case each
+        mk.write(mk.shortcut_attacks(), folder / "shortcut")
+        return grade(lab("02_ddp", ["NaiveDDP, 2 ranks"]), [folder / "shortcut"], jobs=2, opts=opts)
+
     def lab_run(name):
         paths = mk.write({"correct": mk.solution_and_unfilled(name)["correct"]}, folder / "labs" / name)
         return grade(lab(name, first_case=True), [paths["correct"]], jobs=1, opts=opts)[0]
 
     # longest first; the class runs grade two submissions at a time themselves
-    work = [("class", class_run)] + ([("attacks", attack_run), ("kernel", kernel_run)] if BWRAP else [])
+    work = [("class", class_run)] + ([("attacks", attack_run), ("kernel", kernel_run), ("shortcut", shortcut_run)]
+                                     if BWRAP else [])
     work += [(name, lambda name=name: lab_run(name)) for name in labs]
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -144,7 +151,7 @@ def _grade_everything(tmp_path_factory, labs):
               f"longest {max(r.seconds for r in got):.0f} s")
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
-        kernel=_by_stem(done.get("kernel", [])), folder=folder,
+        kernel=_by_stem(done.get("kernel", [])), shortcut=_by_stem(done.get("shortcut", [])), folder=folder,
         labs={name: done[name] for name in labs},
         leftover=leftover)
 
@@ -334,6 +341,18 @@ def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_wr
     rows = list(csv.DictReader(open(out / "grades.csv")))
     assert {Path(r["submission"]).stem for r in rows if r["check"] == "TOTAL"} == set(got)
     assert len(ET.parse(out / "junit.xml").getroot().findall("testsuite")) == len(got)
+
+
+@needs_bwrap
+def test_a_lab_s_library_shortcut_scores_zero_named_or_built_at_run_time(graded):
+    named, built = graded.shortcut["ddp_named"], graded.shortcut["ddp_built_name"]
+    # PyTorch's DDP gets the values right: only the shortcut rule stops it
+    assert [v.judged.startswith("PASS") for v in built.verdicts] == [True, True, True, False], built.verdicts
+    assert named.score == built.score == 0
+    assert named.flags[0] == ("naive: your answer cells use DistributedDataParallel: this lab asks you to write "
+                              "it yourself"), named.flags
+    assert built.flags == ["naive: used DistributedDataParallel: this lab asks you to write it yourself "
+                           "(answer cell c04 line 8) [ranks 0, 1]"], built.flags
 
 
 # ---------------------------------------------------------------- every lab

@@ -353,6 +353,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 take_snapshot()
             else:
                 compare(args[0])
+        elif ev == "distlab.shortcut":
+            if src:     # constructed with learner code on the stack (the check's own use is not the learner's)
+                send("ev", "used " + safe(args[0]), "this lab asks you to write it yourself", src)
         elif ev == "distlab.finish":
             if finished[0]:
                 send("ev", "a second finish", "only the first one counts", src)

@@ -80,7 +80,8 @@ def read_stream(raw: bytes, flooded: bool = False) -> RankLog:
 
 def _describe(event: str, detail: str, where: str) -> str:
     where = where.replace("<answer cell ", "answer cell ").replace(">", "")
-    return f"{event} {detail}".strip() + (f" ({where})" if where else "")
+    sep = ": " if event.startswith("used ") else " "
+    return f"{event}{sep}{detail}".strip() + (f" ({where})" if where else "")
 
 
 def check_outputs(log: RankLog, data: bytes) -> str:

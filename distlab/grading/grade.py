@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
 from distlab.checks.verdict import CheckFailed, reason
-from distlab.grading import evidence, resultcheck, sandbox, submission, wire
+from distlab.grading import evidence, resultcheck, sandbox, shortcuts, submission, wire
 from distlab.grading.lab import ShippedLab, load_lab
 from distlab.grading.sandbox import MAX_RESULT_BYTES, Limits
 
@@ -175,8 +175,10 @@ def checked(records: list[dict]) -> str:
     return ""
 
 
-def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], list[str]]:
-    """Every graded line from the runner's records; (verdicts, audit flags)."""
+def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None = None
+          ) -> tuple[list[Verdict], list[str]]:
+    """Every graded line from the runner's records; (verdicts, audit flags). `outside`: evidence found here
+    without running anything (the lab's library shortcuts named in the answer cells), for every task."""
     bad = checked(outcome.records)
     if bad:
         outcome.failure = outcome.failure or bad
@@ -184,7 +186,7 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome) -> tuple[list[Verdict], lis
     records = {(r.get("task"), r.get("case")): r for r in outcome.records if r.get("kind") == "case"}
     verdicts, flags = [], []
     for graded in lab.graded:
-        task, cases, seen = graded.task, graded.task.cases(), []
+        task, cases, seen = graded.task, graded.task.cases(), list(outside or [])
         lines = [line for i in graded.cases
                  for line in judge_case(task, cases[i], records.get((task.name, i)), seen, outcome.failure)]
         seen = summarize(seen)
@@ -227,7 +229,7 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
     finally:
         if not opts.keep:
             log.unlink(missing_ok=True)
-    verdicts, flags = judge(lab, outcome)
+    verdicts, flags = judge(lab, outcome, shortcuts.named(lab.name, [source for _, source in answers]))
     return verdicts, flags, outcome.failure, outcome.cpu_s
 
 

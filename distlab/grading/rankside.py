@@ -4,7 +4,8 @@ The sandbox runner launches `run_case(...)` on every rank of one case with
 `distlab.launch`. In order, before any learner code:
 
 1. `audithook.install`: the rank's event stream and its key, the hook;
-2. the default process group is re-created as a `MeteredGroup`
+2. the lab's library shortcuts are watched (`distlab.grading.shortcuts`), and
+   the default process group is re-created as a `MeteredGroup`
    (`distlab.grading.pgmeter`), so every collective is run and booked by the hook;
 3. `track_comm` blocks announce themselves to the hook (regions).
 
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distlab.grading import audithook, pgmeter, seccomp, wire
+from distlab.grading import audithook, pgmeter, seccomp, shortcuts, wire
 from distlab.grading.wire import REGION_KEY
 # What a check's rank-side half relies on: rebinding a function or class attribute here is evidence. (Other
 # modules are left alone: torch itself rewraps e.g. every optimizer class's `step` on first use, and a
@@ -168,6 +169,7 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
     task = module.TASKS[task_name]
     case = task.cases()[case_index]
     region = _region_methods()
+    shortcut_codes, shortcut_modules = shortcuts.watch(lab)
     audithook.install(stream_paths[dist.get_rank()], {
         "distlab.pg.op": pgmeter.MeteredGroup._op.__code__,
         "distlab.pg.create": pgmeter.create.__code__,
@@ -175,7 +177,9 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         "distlab.lookup": finish.__code__,
         "distlab.finish": finish.__code__,
         "distlab.checkpoint": run_case.__code__,
-    }, snapshot_modules=tuple(sorted(m for m in sys.modules if m.startswith(WATCHED_PREFIXES) or m in WATCHED)))
+        "distlab.shortcut": shortcut_codes,
+    }, snapshot_modules=tuple(sorted(m for m in sys.modules if m.startswith(WATCHED_PREFIXES) or m in WATCHED
+                                     or m in shortcut_modules)))
     _metered_group(timeout_s)
     _cpu_limit(timeout_s)
     seccomp.confine(sockets=dist.get_backend() != "metered_nccl")

@@ -1,0 +1,118 @@
+"""Each lab's library shortcut: what PyTorch already ships for the thing the lab asks the learner to write.
+
+Lab 02 asks for data parallelism by hand, so its answers may not be (or wrap)
+`DistributedDataParallel`; lab 03-05's sharded optimizers may not be
+`ZeroRedundancyOptimizer` or FSDP; lab 07's layers may not be PyTorch's
+tensor-parallel styles; lab 08's schedules may not be `torch.distributed.pipelining`.
+(Lab 01's rings are held to point-to-point traffic by the metered group; lab 06
+is the FSDP lab itself.) Two checks:
+
+- from outside the learner's processes, in the grader: `named(lab, sources)` lists
+  the shortcuts the answer cells name (an import, a name or an attribute);
+- on the rank, before learner code: `watch(lab, audit)` makes each shortcut's
+  `__init__` raise the audit event `distlab.shortcut`, which the hook books as
+  evidence when learner code is anywhere on the stack (so names built at run
+  time are caught too); the classes are in the hook's snapshot, so unwrapping
+  them is evidence as well.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from typing import Any
+
+# (module, class whose __init__ every construction runs, the name a learner knows it by)
+DDP = ("torch.nn.parallel.distributed", "DistributedDataParallel", "DistributedDataParallel")
+ZERO = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer")
+FSDP1 = ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "FullyShardedDataParallel")
+FSDP2 = ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "fully_shard")
+TP = tuple(("torch.distributed.tensor.parallel.style", c, c) for c in (
+    "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"))
+PP = (("torch.distributed.pipelining.stage", "_PipelineStageBase", "PipelineStage"),
+      ("torch.distributed.pipelining.schedules", "_PipelineSchedule", "ScheduleGPipe"))
+
+SHORTCUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "01_collectives": (),
+    "02_ddp": (DDP, FSDP1, FSDP2, ZERO),
+    "03_zero1": (ZERO, FSDP1, FSDP2),
+    "04_zero2": (ZERO, FSDP1, FSDP2),
+    "05_zero3": (ZERO, FSDP1, FSDP2),
+    "06_fsdp": (),
+    "07_tensor_parallel": TP,
+    "08_pipeline": PP,
+}
+# names an answer cell may not mention, per lab (what `named` looks for)
+_EXTRA_NAMES = {FSDP2: ("fully_shard",), PP[0]: ("PipelineStage",), PP[1]: (
+    "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble", "PipelineScheduleSingle", "PipelineScheduleMulti"), TP[0]: ("parallelize_module",)}
+
+
+def forbidden_names(lab: str) -> dict[str, str]:
+    """Name a learner could write -> the shortcut it stands for."""
+    out = {}
+    for entry in SHORTCUTS.get(lab, ()):
+        for name in (entry[2], *_EXTRA_NAMES.get(entry, ())):
+            out[name] = entry[2]
+        if entry[1] and not entry[1].startswith("_"):
+            out[entry[1]] = entry[2]
+    if lab == "08_pipeline":
+        out["pipelining"] = "torch.distributed.pipelining"
+    return out
+
+
+def named(lab: str, sources: list[str]) -> list[str]:
+    """The shortcuts the answer cells name (in the grader: nothing of theirs runs); one line each."""
+    names = forbidden_names(lab)
+    if not names:
+        return []
+    seen: dict[str, None] = {}
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            words = []
+            if isinstance(node, ast.Name):
+                words = [node.id]
+            elif isinstance(node, ast.Attribute):
+                words = [node.attr]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                words = [a.name.split(".")[-1] for a in node.names] + (
+                    node.module.split(".") if isinstance(node, ast.ImportFrom) and node.module else [])
+                for a in node.names:
+                    words += a.name.split(".")
+            for w in words:
+                if w in names:
+                    seen[f"your answer cells use {names[w]}: this lab asks you to write it yourself"] = None
+    return list(seen)
+
+
+def _wrapper(original: Any, label: str, audit: Any) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        audit("distlab.shortcut", label)
+        original(self, *args, **kwargs)
+    return __init__
+
+
+def watch(lab: str, audit: Any = sys.audit) -> tuple[list[Any], tuple[str, ...]]:
+    """Wrap each shortcut's `__init__` so constructing it raises `distlab.shortcut`; (the wrappers' code
+    objects, for the hook; the modules to snapshot)."""
+    codes, modules = [], []
+    for module_name, cls_name, label in SHORTCUTS.get(lab, ()):
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        original = cls.__dict__.get("__init__")
+        if original is None or getattr(original, "__distlab_shortcut__", False):
+            continue
+
+        __init__ = _wrapper(original, label, audit)
+        __init__.__distlab_shortcut__ = True
+        __init__.__wrapped__ = original
+        type.__setattr__(cls, "__init__", __init__)
+        codes.append(__init__.__code__)
+        modules.append(module_name)
+    return codes, tuple(modules)
