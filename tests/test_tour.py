@@ -37,6 +37,15 @@ def test_tour_quick_without_notebooks(tmp_path, capsys, no_orphans):
     page = (tmp_path / "report.html").read_text()
     assert page.startswith("<!doctype html>") and "<table>" in page and 'src="collectives_busbw.png"' in page
     assert "WARNING" not in out.err and "without encryption" not in out.err
+    # scale, simulated: the ZeRO table at 7.5B on 64 ranks from the shipped solutions' classes
+    scale = {r["name"]: r for r in summary["scale"]}
+    assert list(scale) == ["ddp", "zero1", "zero2", "zero3"]
+    for r in scale.values():
+        assert r["simulated"] and r["world_size"] == 64 and r["num_params"] == pytest.approx(7.5e9, rel=1e-3)
+        assert sum(r["model_state_bytes"].values()) == pytest.approx(r["predicted_model_state_bytes"], rel=0.01)
+    assert [round(sum(r["model_state_bytes"].values()) / 1e9, 1) for r in scale.values()] == [120.0, 31.4, 16.6, 1.9]
+    assert scale["zero3"]["comm_bytes_per_step"] / scale["zero1"]["comm_bytes_per_step"] == pytest.approx(1.5, rel=1e-3)
+    assert "## scale" in report or "Scale" in report
 
 
 def test_memory_vs_n_figure_needs_several_world_sizes():

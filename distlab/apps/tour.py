@@ -4,7 +4,9 @@ Steps, each behind one progress bar:
 1. the machine record (backend, devices, versions);
 2. launcher timings, each world size in a fresh process (a first launch must be first);
 3. the library busbw sweep (`distlab.bench.collectives`);
-4. the chapters' lecture and solution notebooks, executed headlessly with
+4. scale, simulated: the ZeRO table at 7.5B parameters on 64 ranks, measured from the shipped
+   solutions' classes and PyTorch's DDP as rank 0 of 64 on fake tensors (`distlab.course.sim`; seconds);
+5. the chapters' lecture and solution notebooks, executed headlessly with
    nbclient (as nbval does); each writes its own records with
    `distlab.record` into the output folder, so what a learner sees and what
    the tour reports come from one code path.
@@ -169,6 +171,37 @@ def _memory_vs_n(strategies: list[dict[str, Any]]) -> Any:
     return fig
 
 
+SCALE_PARAMS, SCALE_WORLD_SIZE = 7.5e9, 64
+
+
+def scale_records(quick: bool) -> list[dict[str, Any]]:
+    """The `scale` section: each ZeRO stage at 7.5B on 64 ranks, simulated (`distlab simulate`), one record
+    per strategy with its closed forms beside it. Quick mode: the same Ψ in 8 layers of h = 8192 (a
+    quarter of the ops); full mode: the calculator's 36 layers of 4096."""
+    from distlab.apps.simulate import lab_class
+    from distlab.course import sim
+    from distlab.meters.records import record
+    config = (sim.scale_config(SCALE_PARAMS, d_model=8192, n_layers=8, n_heads=64) if quick
+              else sim.scale_config(SCALE_PARAMS))
+    rows = []
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        try:
+            classes = lab_class(name)
+        except (FileNotFoundError, ValueError):
+            continue   # not a checkout with solutions/: the stages that need a lab class are left out
+        r = sim.simulate(name, config=config, world_size=SCALE_WORLD_SIZE, classes=classes, steps=1)
+        state = r.model_state
+        rows.append(record("scale", name=name, world_size=r.world_size, num_params=r.num_params,
+                           backend="fake", layers=config.n_layers, d_model=config.d_model, simulated=True,
+                           model_state_bytes={"params": state.params, "grads": state.grads,
+                                              "optimizer_state": state.optimizer_state},
+                           predicted_model_state_bytes=r.predicted_model_state_bytes,
+                           comm_bytes_per_step=r.comm_bytes_per_step,
+                           predicted_comm_bytes_per_step=r.predicted_comm_bytes_per_step,
+                           peak_bytes=r.peak_bytes, simulation_s=round(r.seconds, 2)))
+    return rows
+
+
 def run_tour(out: Path, quick: bool = False, world_size: int | None = None, notebooks: bool = True) -> int:
     """Run the tour; return an exit status (1 if a notebook failed: the others still run)."""
     from distlab.bench.collectives import sweep
@@ -187,7 +220,7 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
     nb_paths = [root / p for p in TOUR_NOTEBOOKS if root and (root / p).exists()] if notebooks else []
     launcher_sizes = sorted({2, n}) if n > 1 else [1]
     cells = {p: _code_cells(p) for p in nb_paths}
-    total = len(launcher_sizes) + 1 + sum(cells.values())
+    total = len(launcher_sizes) + 2 + sum(cells.values())
     summary: dict[str, Any] = {"machine": info, "mode": "quick" if quick else "full", "launcher": []}
     timings: dict[str, float] = {}
     failures: list[str] = []
@@ -198,6 +231,17 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
             bar.update()
         bar.set_postfix_str(f"collectives sweep x{n}")
         summary["collectives"] = sweep(n, sweep_sizes(quick, on_gpu), repeats=3 if quick else 5)
+        bar.update()
+        bar.set_postfix_str(f"scale: {SCALE_PARAMS / 1e9:g}B on {SCALE_WORLD_SIZE} ranks, simulated")
+        saved = os.environ.get("DISTLAB_RESULTS")
+        os.environ["DISTLAB_RESULTS"] = str(out.resolve())   # recorded into `out`, as the notebooks' records
+        try:
+            scale_records(quick)
+        finally:
+            if saved is None:
+                os.environ.pop("DISTLAB_RESULTS", None)
+            else:
+                os.environ["DISTLAB_RESULTS"] = saved
         bar.update()
         for path in nb_paths:
             rel = str(path.relative_to(root))
@@ -223,6 +267,11 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
         print(f"  launch x{rec['world_size']}: first {rec['first_launch_s']:.2f} s, relaunch {rec['relaunch_s']:.3f} s")
     big = [r for r in summary["collectives"] if r["op"] == "all_reduce" and r["impl"] == "library"][-1]
     print(f"  all-reduce busbw at {big['bytes'] / 2**20:.0f} MiB on {n} ranks: {big['busbw_GBps']:.2f} GB/s")
+    scale = summary.get("scale") or []
+    if scale:
+        gb = " / ".join(f"{sum(r['model_state_bytes'].values()) / 1e9:.1f}" for r in scale)
+        print(f"  simulated {SCALE_PARAMS / 1e9:g}B on {SCALE_WORLD_SIZE} ranks, model states per rank "
+              f"({' / '.join(r['name'] for r in scale)}): {gb} GB")
     for f in failures:
         print(f"  FAILED {f}")
     return 1 if failures else 0
