@@ -124,3 +124,19 @@ def test_distlab_simulate_prints_the_table(capsys):
     assert cells[4] == cells[5]                    # model states measured == formula (GB, 3 decimals)
     assert "rank 0 of 64" in out and "cannot tell" in out
     assert main(["simulate", "--strategy", "zero9"]) == 2
+
+
+def test_the_calculator_marks_the_simulated_cells():
+    from distlab.viz.widgets import markdown_table, memory_calculator, zero_table
+    md = markdown_table(zero_table(), simulated={0: 119.99e9, 3: 1.875e9})
+    lines = md.splitlines()
+    assert lines[0].endswith("simulated (GB) |")
+    assert lines[2].endswith("120.0 (simulated) |") and lines[3].endswith("formula only |")
+    assert lines[5].endswith("1.9 (simulated) |")
+    pytest.importorskip("ipywidgets")
+    import matplotlib
+    matplotlib.use("Agg")
+    box = memory_calculator(simulated={(7.5e9, 64): {3: 1.875e9}})
+    assert "1.9 (simulated)" in box.text()[0] and "fake tensors" in box.text()[0]
+    box.controls["devices"].value = 32          # no simulation at N = 32: formulas only
+    assert "simulated" not in box.text()[0]

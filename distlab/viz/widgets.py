@@ -135,9 +135,11 @@ def tp_table(num_params: float, world_size: int, tp: int = 1, **kwargs: Any) -> 
 
 
 def markdown_table(rows: list[ZeroRow], device_bytes: float | None = None,
-                   activation_bytes: float | None = None) -> str:
+                   activation_bytes: float | None = None, simulated: dict[int, float] | None = None) -> str:
     """The rows as a Markdown table in GB; with `device_bytes`, also the largest model per stage;
-    with `activation_bytes` (the same for every stage), also activations and the total."""
+    with `activation_bytes` (the same for every stage), also activations and the total; with
+    `simulated` ({stage: model-state bytes measured by `distlab simulate` at the same Ψ and N}), a column
+    that marks which cells were simulated (the others say "formula only")."""
     r0 = rows[0]
     fit = largest_models(device_bytes, r0.world_size, k=r0.k, recipe=r0.recipe) if device_bytes else None
     head = "| stage | params (GB) | grads (GB) | optimizer (GB) | per device (GB) |"
@@ -148,6 +150,9 @@ def markdown_table(rows: list[ZeroRow], device_bytes: float | None = None,
     if fit:
         head += f" largest model in {device_bytes / GB:g} GB |"
         rule += "---:|"
+    if simulated:
+        head += " simulated (GB) |"
+        rule += "---:|"
     lines = [head, rule]
     for r in rows:
         line = (f"| {r.name} | {_gb(r.params_bytes)} | {_gb(r.grads_bytes)} | "
@@ -156,6 +161,8 @@ def markdown_table(rows: list[ZeroRow], device_bytes: float | None = None,
             line += f" {_gb(activation_bytes)} | **{_gb(r.bytes_per_device + activation_bytes)}** |"
         if fit:
             line += f" {_human(fit[r.stage])} |"
+        if simulated:
+            line += (f" {_gb(simulated[r.stage])} (simulated) |" if r.stage in simulated else " formula only |")
         lines.append(line)
     return "\n".join(lines)
 
@@ -224,9 +231,12 @@ def _with(options: list, value: Any) -> list:
 
 def memory_calculator(num_params: float = DEFAULT_PARAMS, world_size: int = DEFAULT_WORLD_SIZE, *,
                       recipe: str = "mixed", k: float | None = None, device_gb: float = 80.0, tp: int = 1,
-                      activations: Activations | None = Activations()) -> Any:
+                      activations: Activations | None = Activations(),
+                      simulated: dict[tuple[float, int], dict[int, float]] | None = None) -> Any:
     """Sliders for Ψ, N, TP degree, K, precision, device memory and the activation shape -> bars, a table,
-    and the largest model per stage. `activations=None` leaves activations out.
+    and the largest model per stage. `activations=None` leaves activations out. `simulated` maps
+    (Ψ, N) to {stage: model-state bytes measured by a fake run (`distlab.course.sim`)}: at those settings
+    (mixed precision, K = 12, t = 1) the table gains a column marking the simulated cells.
 
     Returns the ipywidgets container; display it in Jupyter. It draws at once, into an Output widget;
     where no widget can render (a notebook opened before running, GitHub) its text and HTML show
@@ -253,6 +263,7 @@ def memory_calculator(num_params: float = DEFAULT_PARAMS, world_size: int = DEFA
         "sp": w.Checkbox(value=act.sp, description="sequence parallel"),
     }
     box = MemoryCalculator(c)
+    box.simulated = dict(simulated or {})
     box.children = [w.HBox([c["params"], c["devices"], c["tp"]]), w.HBox([c["k"], c["recipe"], c["device_gb"]]),
                     w.HBox([c["activations"], c["seq"], c["batch"], c["recompute"]]),
                     w.HBox([c["hidden"], c["layers"], c["heads"], c["sp"]]), box.out]
@@ -294,6 +305,14 @@ def _calculator_class() -> type:
         def __init__(self, controls: dict[str, Any]) -> None:
             super().__init__()
             self.controls, self.out = controls, w.Output()
+            self.simulated: dict[tuple[float, int], dict[int, float]] = {}
+
+        def simulated_here(self) -> dict[int, float] | None:
+            """The simulated cells for the current settings (the recipe the simulation ran), or None."""
+            c = self.controls
+            if c["tp"].value != 1 or c["recipe"].value != "mixed" or c["k"].value != 12:
+                return None
+            return self.simulated.get((float(c["params"].value), int(c["devices"].value)))
 
         def state(self) -> tuple[list[ZeroRow], float | None, float, int, str]:
             c = self.controls
@@ -313,7 +332,11 @@ def _calculator_class() -> type:
                 rows, act, dev, tp, what = self.state()
             except ValueError as exc:
                 return str(exc), str(exc)
-            md = markdown_table(rows, activation_bytes=act)
+            sim = self.simulated_here()
+            md = markdown_table(rows, activation_bytes=act, simulated=sim)
+            if sim:
+                md += ("\n\nThe simulated column was measured by running the strategies' code as rank 0 of "
+                       f"{c['devices'].value} on fake tensors (`distlab simulate`); the other columns are formulas.")
             md += "\n\n" + _fit_line(dev, c["devices"].value, c["k"].value, c["recipe"].value, tp, act or 0.0)
             if act is not None:
                 md += f"\n\nActivations ({what}, bf16, dropout): the same under every ZeRO stage."
