@@ -24,6 +24,8 @@ import json
 import os
 import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -377,3 +379,22 @@ def test_self_check_prints_progress_and_a_one_line_summary(tmp_path, capsys, no_
     assert "--no-sandbox: submissions run as you" in captured.err
     assert "  [1/1] all_gather, 2 ranks: ran" in captured.out
     assert captured.out.rstrip().splitlines()[-1].startswith(f"{nb}: 2/2 points, 2/2 checks passed in ")
+
+
+def test_instructors_grade_through_nbval_on_the_same_engine(tmp_path):
+    # pytest --nbval-lax --distlab-grade LAB handins/ -n 2: one item per check cell, junit as usual
+    handins = tmp_path / "handins"
+    cls = mk.ch1_class()
+    mk.write({"alice": cls["correct"], "bob": cls["partial"]}, handins)
+    junit = tmp_path / "grades.xml"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "distlab", "--nbval-lax", "--distlab-grade",
+                          "01_collectives", "--distlab-only", "reduce_scatter, 2 ranks", "-n", "2", "-p",
+                          "no:cacheprovider", "--junitxml", str(junit), "-q", str(handins)]
+                         + ([] if BWRAP else ["--distlab-no-sandbox"]),
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "expected: PASS reduce_scatter, 2 ranks, traffic: point-to-point only, sends (N-1)/N x S" in run.stdout
+    assert "got:      FAIL reduce_scatter, 2 ranks, traffic: rank 0 called all_reduce" in run.stdout
+    cases = {c.get("classname").split("handins.")[-1] + "::" + c.get("name"): c.find("failure") is None
+             for c in ET.parse(junit).getroot().iter("testcase")}
+    assert cases == {"alice.ipynb::Cell 6": True, "bob.ipynb::Cell 6": False}, cases

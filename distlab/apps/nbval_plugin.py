@@ -17,6 +17,18 @@ port it was given to another process between the choice and its bind.
 Loaded before nbval (`-p distlab`, as the project's own test suite does), it also spares
 every pytest process the ~3 s that `import nbformat` spends on a grammar no notebook
 uses (`distlab.engine.lazyimports`).
+
+Instructors grade with it too (`distlab grade` is the same engine, in one command):
+
+    pytest --nbval-lax --distlab-grade 02_ddp handins/ [-n 2] [--junitxml grades.xml]
+
+collects each handed-in notebook's graded check cells (taken from the shipped lab, never
+from the notebook) as items `handins/alice.ipynb::Cell 5`. Running the first of a notebook's
+items grades the whole notebook once in `distlab grade`'s sandbox (`grade.grade_one`); each
+item then compares the verdict lines the grader computed for its cell with the lab's expected
+lines, as nbval compares a cell's output. nbval itself does not collect the notebooks in
+this mode (learner code never runs in pytest's kernel). `--distlab-no-sandbox` grades
+without bubblewrap (your own notebooks only).
 """
 from __future__ import annotations
 
@@ -31,7 +43,23 @@ KERNEL_STARTS = 3
 defer_rfc3987_syntax()
 
 
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("distlab", "distlab grading")
+    group.addoption("--distlab-grade", metavar="LAB", default=None,
+                    help="grade the notebooks given (hand-ins of LAB, e.g. 02_ddp) with distlab's sandboxed grader: "
+                         "one item per graded check cell, compared with the lab's expected verdict lines")
+    group.addoption("--distlab-only", action="append", default=None, metavar="TEXT",
+                    help="with --distlab-grade: grade only the tasks or verdict lines containing TEXT (repeatable)")
+    group.addoption("--distlab-no-sandbox", action="store_true",
+                    help="with --distlab-grade: run the notebooks without bubblewrap (your own notebooks only)")
+
+
 def pytest_configure(config: Any) -> None:
+    if config.getoption("--distlab-grade", None):
+        # the hand-ins are graded by distlab, never run in nbval's kernel
+        plugin = config.pluginmanager.get_plugin("nbval")
+        if plugin is not None:
+            config.pluginmanager.unregister(plugin)
     try:
         import nbval.kernel
     except ImportError:
@@ -75,3 +103,109 @@ def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -
         if is_check_cell(cell) and expected and not cell.get("outputs"):
             cell["outputs"] = [nbformat.v4.new_output("stream", name="stdout", text="\n".join(expected) + "\n")]
             cell["execution_count"] = cell.get("execution_count") or 1
+
+
+# ---- grading hand-ins: pytest --distlab-grade LAB handins/ ------------------------------------------------
+
+_PREPARED: dict[str, Any] = {}
+
+
+def _prepared(lab: str, only: list[str] | None) -> Any:
+    """The shipped lab (its selected tasks) with its references, once per pytest process (as a class run)."""
+    key = repr((lab, only))
+    if key not in _PREPARED:
+        from distlab.grading.grade import prepare
+        _PREPARED[key] = prepare(lab, only)
+    return _PREPARED[key]
+
+
+def pytest_collect_file(file_path: Any, parent: Any) -> Any:
+    lab = parent.config.getoption("--distlab-grade", None)
+    if lab and str(file_path).endswith(".ipynb") and ".ipynb_checkpoints" not in str(file_path):
+        return GradedNotebook.from_parent(parent, path=file_path, lab=lab)
+    return None
+
+
+def _produced(verdict: Any) -> str:
+    """The line the grader gives a verdict: the task's own line when it scored, else FAIL with the reason."""
+    if verdict.points == verdict.max_points and verdict.judged and not verdict.reason:
+        return verdict.judged
+    return f"FAIL {verdict.check}: {verdict.reason or 'failed'}"
+
+
+import pytest  # noqa: E402 - after the plugin's cheap part: pytest is always there when these run
+
+
+class GradedNotebook(pytest.File):
+    """A hand-in: one item per graded check cell of the shipped lab; graded once, when its first item runs."""
+
+    def __init__(self, *, lab: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lab = lab
+        self._result: Any = None
+
+    def collect(self) -> Any:
+        import nbformat
+
+        from distlab.checks.labs import expected_lines, is_check_cell
+        from distlab.grading.lab import grade_calls, load_lab, resolve_lab
+        shipped = load_lab(self.lab).select(self.config.getoption("--distlab-only"))
+        nb = nbformat.read(resolve_lab(self.lab), as_version=4)
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code" or not is_check_cell(cell):
+                continue
+            tasks = [task for task, _ in grade_calls(cell.source)]
+            lines = [line for g in shipped.graded if g.task.name in tasks for line in g.lines]
+            # with --distlab-only, the expected lines of the verdicts graded
+            expected = [e for e in expected_lines(cell) if any(e[5:] == n or e[5:].startswith(n + ": ")
+                                                               for n in lines)]
+            if lines:
+                yield GradedCell.from_parent(self, name=f"Cell {index}", expected=expected, lines=lines)
+
+    def result(self) -> Any:
+        if self._result is None:
+            from distlab.grading.cli import sandbox_for
+            from distlab.grading.grade import Options, grade_one
+            box = sandbox_for(self.config.getoption("--distlab-no-sandbox"),
+                              lambda text: warnings.warn(text, RuntimeWarning, stacklevel=2))
+            lab = _prepared(self.lab, self.config.getoption("--distlab-only"))
+            self._result = grade_one(lab, self.path, str(self.path), Options(sandbox=box))
+        return self._result
+
+
+class GradedCellFailed(Exception):
+    pass
+
+
+class GradedCell(pytest.Item):
+    """A check cell of a hand-in: the grader's verdict lines for it against the lab's expected lines."""
+
+    def __init__(self, *, expected: list[str], lines: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.expected, self.lines = expected, lines
+
+    def runtest(self) -> None:
+        result = self.parent.result()
+        by_line = {v.check: v for v in result.verdicts}
+        got = [_produced(by_line[name]) if name in by_line else f"FAIL {name}: not graded ({result.note})"
+               for name in self.lines]
+        self.user_properties.append(("score", f"{sum(by_line[n].points for n in self.lines if n in by_line):g}/"
+                                              f"{sum(by_line[n].max_points for n in self.lines if n in by_line):g}"))
+        if result.flags:
+            self.user_properties.append(("audit", "; ".join(result.flags)))
+        if got != self.expected:
+            raise GradedCellFailed(got, self.expected, result.note)
+
+    def repr_failure(self, excinfo: Any, style: Any = None) -> str:
+        if not isinstance(excinfo.value, GradedCellFailed):
+            return super().repr_failure(excinfo)
+        got, expected, note = excinfo.value.args
+        out = ["distlab grade: the verdicts differ from the lab's expected output"] + ([f"note: {note}"] if note
+                                                                                          else [])
+        for want, have in zip(expected + [""] * len(got), got + [""] * len(expected)):
+            if want != have:
+                out += [f"  expected: {want}", f"  got:      {have}"]
+        return "\n".join(out)
+
+    def reportinfo(self) -> tuple[Any, int, str]:
+        return self.path, 0, f"{self.parent.path.name}::{self.name}"
