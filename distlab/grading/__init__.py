@@ -5,12 +5,16 @@ May import: engine, theory, meters, bench, course, checks, and the top-level `di
     submission.py   a learner's notebook, read defensively: only its answer cells
     classrun.py     a class run: every submission, `--jobs` at a time; reports always written
     grade.py        one submission: run its answers (sandbox + runner), judge here, apply the evidence
-    sandbox.py      bubblewrap around the runner; the authenticated result pipe
-    runner.py       inside the sandbox: launches every case's ranks, sends sealed records
-    rankside.py     on each rank: audit hook, metered process group, then PRELUDE + the learner's cells
+    sandbox.py      bubblewrap around the runner (unprivileged uid, rlimits); the authenticated result pipe
+    runner.py       inside the sandbox: drops root, launches every case's ranks, sends sealed records
+    rankside.py     on each rank: audit hook, metered process group, seccomp, then PRELUDE + the learner's cells
     audithook.py    the hook: runs and books every collective, streams evidence as it happens
     pgmeter.py      the metered ProcessGroup (holds no communicator) and the bytes it books
-    channel.py      sealed (HMAC), ordered records; safeload.py: unpickling without running code
+    seccomp.py      the kernel filter each rank installs once its group is up: no sockets, processes, sessions
+    shortcuts.py    each lab's library shortcut (lab 02: DDP, ...), found in the source and watched on the rank
+    wire.py         a rank's outputs as safetensors + JSON (no pickle); resultcheck.py: their bounds, in a child
+    channel.py      sealed (HMAC), ordered records; safeload.py: the launcher's wrapper read as plain data only
     evidence.py     reading a rank's stream: traffic per meter region, what learner code did
     report.py       grades.csv, grades.md, junit.xml;  bench.py: seconds per submission;  cli.py
+    (distlab/apps/nbval_plugin.py: `pytest --nbval-lax --distlab-grade LAB handins/`, the same engine)
 """

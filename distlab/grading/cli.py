@@ -19,9 +19,11 @@ BROKEN_BWRAP = ("distlab grade: bwrap is installed but cannot start a sandbox he
 DESCRIPTION = """\
 Grade learners' lab notebooks. Each submission's answer cells run on fresh ranks inside a bubblewrap
 sandbox (own PID, IPC and network namespaces, loopback only; read-only Python environment and distlab
-package; no solutions/, no other submission; a private /tmp). Verdicts are computed here, in this process,
-from the ranks' raw outputs against references computed without learner code; check cells in a
-submission are never run. Evidence of tampering (audit hooks installed before learner code) zeroes the
+package; no solutions/, no other submission; a private /tmp), as an unprivileged uid, under limits on
+processes, memory, CPU time and file size; once a rank's process group is up a seccomp filter refuses it
+new sockets, processes and sessions. Verdicts are computed here, in this process, from the ranks' raw
+outputs (tensors and JSON, never a pickle; bounds checked in a child process first) against references
+computed without learner code; check cells in a submission are never run. Evidence of tampering (audit hooks installed before learner code) zeroes the
 affected task and is listed in the Audit column. A broken, hanging or hostile submission gets a one-line
 reason; the class run always finishes and always writes its reports."""
 
