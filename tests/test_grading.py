@@ -310,6 +310,14 @@ def test_the_sandbox_shows_the_environment_and_the_package_only():
     assert roots and min(roots) > argv.index("--tmpfs")
 
 
+def test_limits_reach_the_runner_and_count_the_account_s_own_processes_when_not_root(monkeypatch):
+    job = sandbox.Limits(procs=100, memory_bytes=1 << 30).job(cap_s=60)
+    assert job["max_memory"] == 1 << 30 and job["max_cpu_s"] == 60
+    assert job["max_procs"] == 100 if sandbox.as_root() else job["max_procs"] > 100
+    monkeypatch.setattr(sandbox, "as_root", lambda: False)
+    assert sandbox.Limits(procs=100).job(60)["max_procs"] > 100      # RLIMIT_NPROC counts them all
+
+
 # ---------------------------------------------------------------- reports
 
 def test_reports_have_one_row_per_line_and_the_audit_column(tmp_path):

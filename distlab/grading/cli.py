@@ -66,6 +66,10 @@ def add_parser(sub: Any) -> Any:
                    help="last-resort limit on one case whose ranks keep working, in seconds (default 180)")
     g.add_argument("--cap", type=float, default=1800, metavar="S",
                    help="last-resort limit on one submission, in seconds (default 1800)")
+    g.add_argument("--max-memory", type=float, default=6, metavar="GIB",
+                   help="memory limit of each process of a submission (RLIMIT_DATA), in GiB (default 6)")
+    g.add_argument("--max-procs", type=int, default=512, metavar="N",
+                   help="processes and threads one submission may run at once (RLIMIT_NPROC; default 512)")
     g.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep each submission's runner log (its ranks' output) in DIR, to see why it failed")
     g.add_argument("--self", action="store_true",
@@ -135,8 +139,10 @@ def run(args: Any) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         err(f"distlab grade: {exc}; nothing was graded")
         return 2
+    from distlab.grading.sandbox import Limits
     opts = Options(sandbox=box, stall_s=args.stall or CHECK_STALL_S, submission_cap_s=args.cap,
-                   case_cap_s=args.case_cap,
+                   case_cap_s=args.case_cap, limits=Limits(procs=args.max_procs,
+                                                           memory_bytes=int(args.max_memory * (1 << 30))),
                    backend=args.backend, keep=args.keep,
                    progress=(lambda line: print("  " + line, flush=True)) if args.self else None)
     results = grade(lab, subs, out=out, jobs=args.jobs, opts=opts,

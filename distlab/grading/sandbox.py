@@ -82,7 +82,23 @@ class Limits:
     cpu_s: float = 0.0               # RLIMIT_CPU of each process; 0: the submission cap
 
     def job(self, cap_s: float) -> dict:
-        return {"max_procs": self.procs, "max_memory": self.memory_bytes, "max_cpu_s": int(self.cpu_s or cap_s)}
+        procs = self.procs
+        if procs and not as_root():     # RLIMIT_NPROC counts every process of the uid: the account's own too
+            procs += _own_processes()
+        return {"max_procs": procs, "max_memory": self.memory_bytes, "max_cpu_s": int(self.cpu_s or cap_s)}
+
+
+def _own_processes() -> int:
+    """Processes and threads of this account now (what RLIMIT_NPROC counts besides the submission's)."""
+    import psutil
+    uid, count = os.getuid(), 0
+    for p in psutil.process_iter(["uids", "num_threads"]):
+        try:
+            if p.info["uids"] and p.info["uids"].real == uid:
+                count += p.info["num_threads"] or 1
+        except (psutil.Error, TypeError):
+            pass
+    return count
 
 
 def as_root() -> bool:
