@@ -34,3 +34,21 @@ def test_copies_inside_reads_the_overlap_off_a_timeline():
              {"name": "copy down", "start": 0.2, "end": 0.3}]
     assert abs(copies_inside(spans, "copy down", "backward") - 0.6 / 1.1) < 1e-12
     assert copies_inside(spans[:1], "copy down", "backward") is None
+
+
+def test_a_hook_that_drops_the_gradient_still_books_its_copy():
+    model = torch.nn.Linear(32, 32)
+    side = CopyStream("cpu")
+    bufs = {p: host_like(p) for p in model.parameters()}
+
+    def down(p):
+        side.copy(bufs[p], p.grad)
+        p.grad = None                                   # as ZeRO-Offload's hook does, at once
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(down)
+    with track_transfers(model) as meter:
+        model(torch.randn(4, 32)).sum().backward()
+    side.wait()
+    assert meter.stats()["down_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())

@@ -48,15 +48,35 @@ def test_interleaved_and_zero_bubble_match_their_closed_forms():
         sim.simulate(lambda p, m, r: [("B", 0), ("F", 0)], 2, 1)
 
 
-def test_fixed_cost_replaces_the_compute_it_stands_for():
+class _Clock:
+    """A fake `time` for FixedCost: sleeping and computing advance it exactly."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+def test_fixed_cost_replaces_the_compute_it_stands_for(monkeypatch):
+    import distlab.course.pipeline.stages as stages
+    clock = _Clock()
+    monkeypatch.setattr(stages, "time", clock)
     stage = build_stage("tiny", 1, 2, n_layers=2, device="cpu")
-    body = stage.body
-    stage.body = lambda h: (time.sleep(0.06), body(h))[1]          # a compute longer than the cost
+    body, compute = stage.body, {"s": 0.01}
+    stage.body = lambda h: (clock.sleep(compute["s"]), body(h))[1]
     tl = Timeline(rank=0, device="cpu")
-    timed = FixedCost(stage, 0.05, 0.01, timeline=tl)
-    timed(torch.randn(activation_shape(stage.config, 2)))
-    f = tl.spans[0]
-    assert 0.06 <= f.end - f.start < 0.105                          # added, it would be >= 0.11
+    timed = FixedCost(stage, 0.05, 0.02, timeline=tl)
+    h = torch.randn(activation_shape(stage.config, 2))
+    timed(h)                                                        # compute 10 ms inside a 50 ms cost
+    compute["s"] = 0.08
+    timed(h)                                                        # compute 80 ms: longer than the cost
+    f0, f1 = tl.spans
+    assert f0.end - f0.start == pytest.approx(0.05)                 # added, it would be 0.06
+    assert f1.end - f1.start == pytest.approx(0.08)                 # the compute, not 0.13
     assert timed.overran == 1
 
 

@@ -197,8 +197,9 @@ class CopyStream:
 
     On CPU ranks there is no copy engine: a worker thread stands in for the side stream (one
     thread: copies run in issue order, as on a stream), so a copy overlaps the backward on another
-    core. The caller's meters (`track_transfers`, `track_memory`: dispatch modes, which are per
-    thread) are entered in the worker too, so they count these copies as they count any other.
+    core. The caller's `track_transfers` books each copy when it is issued (dispatch modes are per
+    thread, and by the time the worker runs it the hook has dropped `p.grad`, which tells the
+    meter the source was the model's); the copy allocates nothing, so `track_memory` misses nothing.
     """
 
     def __init__(self, device: Any = None) -> None:
@@ -228,16 +229,14 @@ class CopyStream:
             return
         import time
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-        modes = list(_get_current_dispatch_mode_stack())
+        for mode in _get_current_dispatch_mode_stack():
+            if isinstance(mode, _TransferMeter):
+                mode._book(src, dst)                        # booked now: src is still the model's gradient
 
         def run() -> None:
-            from contextlib import ExitStack
-            with ExitStack() as stack:
-                for mode in modes:
-                    stack.enter_context(mode)
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                self.busy.append((t0, time.perf_counter()))
+            t0 = time.perf_counter()
+            dst.copy_(src)                                  # no meter here: booked above, allocates nothing
+            self.busy.append((t0, time.perf_counter()))
         self._pending.append(self._worker.submit(run))     # the closure keeps src alive until copied
 
     def wait(self) -> None:

@@ -121,13 +121,14 @@ def sweep(runner: type, schedules: Mapping[str, Schedule], ms: Sequence[int], co
     return out
 
 
-def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: int = 2) -> float:
-    """Seconds one message adds on a pipeline's critical path, measured apart from the sweeps: on 2
-    ranks, `repeats` steps of one micro-batch (m = 1) through `runner`, stages of fixed cost (as
-    `sweep`). Such a step is F on rank 0, F then B on rank 1, B on rank 0, two messages between:
-    hop = (step window - the four spans) / 2, the median. It holds the message (`batch_isend_irecv`
-    and its wait), waking up from the sleep and the runner's bookkeeping between two actions; the
-    schedule model takes it as its per-message latency (`predicted_bubble`).
+def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: int = 2) -> dict[str, float]:
+    """What a pipeline step spends outside its spans, measured apart from the sweeps: on 2 ranks,
+    `repeats` steps of one micro-batch (m = 1) through `runner`, stages of fixed cost (as `sweep`).
+    Such a step is F on rank 0, F then B on rank 1, B on rank 0. Returns, medians over the steps,
+    `gap`: rank 1's time between its F and its B (the runner's bookkeeping between two actions, no
+    message waited for), and `hop`: what each of the two messages adds beyond that,
+    (window - the four spans - gap) / 2 (the message and the wake-up of the rank that waited).
+    The schedule model (`predicted_bubble`) takes both.
     """
     warnings.filterwarnings("ignore")
     r, p = rt.rank(), rt.world_size()
@@ -137,27 +138,31 @@ def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: in
     timed = FixedCost(stage, cost, cost, cost)
     run = pipeline_runner(runner, timed, micro)
     x, y = synthetic_batch(0, micro, stage.config)
-    hops = []
+    hops, gaps = [], []
     for rep in range(repeats + 1):
         tl = Timeline()
         timed.reset(tl)
         dist.barrier()
         run.step(schedule(p, 1, r), 1, x if r == 0 else None, y if r == p - 1 else None)
         spans = [None] * p
-        dist.all_gather_object(spans, [(s.start, s.end) for s in tl.finish()])
+        dist.all_gather_object(spans, [(s.name, s.start, s.end) for s in tl.finish()])
         flat = [t for rank in spans for t in rank]
-        window = max(e for _, e in flat) - min(s for s, _ in flat)
+        window = max(e for _, _, e in flat) - min(s for _, s, _ in flat)
+        last = {name: (s, e) for name, s, e in spans[-1]}
+        gap = last["B0"][0] - last["F0"][1]
         if rep:
-            hops.append((window - sum(e - s for s, e in flat)) / (2 * (p - 1)))
-    return statistics.median(hops)
+            gaps.append(gap)
+            hops.append((window - sum(e - s for _, s, e in flat) - gap) / (2 * (p - 1)))
+    return {"hop": statistics.median(hops), "gap": statistics.median(gaps)}
 
 
-def predicted_bubble(schedule: Schedule, p: int, m: int, cost: float, hop: float) -> float:
-    """The bubble of `schedule` when F costs `cost`, B 2 `cost` and every message between ranks `hop`
-    seconds: the schedule simulated (`distlab.course.pipeline.simulate`), idle share of its window.
-    With hop = 0 it is (p - 1)/(m + p - 1) for GPipe and 1F1B."""
+def predicted_bubble(schedule: Schedule, p: int, m: int, cost: float, hop: float, gap: float = 0.0) -> float:
+    """The bubble of `schedule` when F costs `cost`, B 2 `cost`, every message between ranks `hop`
+    seconds, sends wait for their receive (the runners' rendezvous) and a rank spends `gap` between
+    two actions: the schedule simulated (`distlab.course.pipeline.simulate`), idle share of its
+    window. With hop = gap = 0 it is (p - 1)/(m + p - 1) for GPipe and 1F1B."""
     from distlab.course.pipeline.simulate import simulate
-    return bubble(simulate(schedule, p, m, t_f=cost, t_b=2 * cost, t_p2p=hop))
+    return bubble(simulate(schedule, p, m, t_f=cost, t_b=2 * cost, t_p2p=hop, rendezvous=True, t_gap=gap))
 
 
 def bubble_of(per_rank: Sequence[Mapping[Any, Any]], name: str, m: int) -> float:

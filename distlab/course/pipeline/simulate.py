@@ -74,37 +74,71 @@ def zero_bubble_order(p: int, m: int, r: int) -> list[Action]:
 
 
 def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: float = 1.0, t_b: float = 2.0,
-             t_w: float = 0.0, v: int = 1, t_p2p: float = 0.0) -> list[dict[str, Any]]:
+             t_w: float = 0.0, v: int = 1, t_p2p: float = 0.0, rendezvous: bool = False,
+             t_gap: float = 0.0) -> list[dict[str, Any]]:
     """Spans {"rank", "name", "start", "end", "kind": "compute"} of every action, as `schedule` orders them.
 
     Names as on measured timelines: F<i>, B<i> (BW<i> for a backward that includes W), W<i>, with
-    ".<chunk>" when v > 1. Raises ValueError if the orders deadlock (an action waits for one that
-    can never run), naming the rank and the action.
+    ".<chunk>" when v > 1. `t_p2p`: seconds a message between ranks takes. `rendezvous`: a send
+    completes only once its receiver has posted the receive (gloo's point-to-point, and the
+    course's runners, which wait for their sends before the next action): the sender's next action
+    waits for that, and a message moves when both sides are there. `t_gap`: seconds a rank spends
+    between two of its actions when it waits for nothing (the runner's bookkeeping). Raises ValueError if the orders
+    deadlock (an action waits for one that can never run), naming the rank and the action.
     """
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
     orders = [[(a[0], a[1], a[2] if len(a) > 2 else 0) for a in schedule(p, m, r)] for r in range(p)]
     split = {(r, i, c) for r in range(p) for k, i, c in orders[r] if k == "W"}
     n = p * v
+    pos = {(r, k, i, c * p + r): j for r in range(p) for j, (k, i, c) in enumerate(orders[r])}
     end: dict[tuple[str, int, int], float] = {}        # (kind, micro-batch, stage) -> end time
+    ends: list[list[float]] = [[] for _ in range(p)]   # per rank, the end of each action run so far
     free, nxt, spans = [0.0] * p, [0] * p, []
+
+    def consumer(kind: str, i: int, s: int) -> tuple[int, int] | None:
+        """(rank, position) of the action that receives what (kind, i, stage s) sends, if on another rank."""
+        t = s + 1 if kind == "F" else s - 1 if kind == "B" else -1
+        if not 0 <= t < n or t % p == s % p:
+            return None
+        return t % p, pos.get((t % p, kind, i, t))
+
+    def posted(q: int, j: int) -> float | None:
+        """When rank q posts the receive for its action j: when its previous action ended."""
+        if j == 0:
+            return 0.0
+        return ends[q][j - 1] if len(ends[q]) >= j else None
 
     def ready(r: int, kind: str, i: int, c: int) -> float | None:
         s = c * p + r
-        deps: list[tuple[tuple[str, int, int], float]] = []
+        start = free[r] + (t_gap if nxt[r] else 0.0)
+        if rendezvous and nxt[r] > 0:                   # my last action's send must have been received
+            pk, pi, pc = orders[r][nxt[r] - 1]
+            to = consumer(pk, pi, pc * p + r)
+            if to is not None and to[1] is not None:
+                at = posted(*to)
+                if at is None:
+                    return None
+                start = max(start, max(ends[r][-1], at) + t_p2p)
+        deps: list[tuple[str, int, int]] = []
         if kind == "F" and s > 0:
-            deps.append((("F", i, s - 1), t_p2p if (s - 1) % p != r else 0.0))
+            deps.append(("F", i, s - 1))
         if kind == "B":
-            deps.append((("F", i, s), 0.0))
+            deps.append(("F", i, s))
             if s < n - 1:
-                deps.append((("B", i, s + 1), t_p2p if (s + 1) % p != r else 0.0))
+                deps.append(("B", i, s + 1))
         if kind == "W":
-            deps.append((("B", i, s), 0.0))
-        start = free[r]
-        for key, lat in deps:
+            deps.append(("B", i, s))
+        for key in deps:
             if key not in end:
                 return None
-            start = max(start, end[key] + lat)
+            remote = key[2] % p != r
+            if not remote:
+                start = max(start, end[key])
+            elif rendezvous:
+                start = max(start, max(end[key], free[r]) + t_p2p)
+            else:
+                start = max(start, end[key] + t_p2p)
         return start
 
     total = sum(len(o) for o in orders)
@@ -120,6 +154,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
                 cost = {"F": t_f, "B": t_b + (t_w if whole else 0.0), "W": t_w}[kind] / v
                 s = c * p + r
                 end[(kind, i, s)] = start + cost
+                ends[r].append(start + cost)
                 free[r] = start + cost
                 name = ("BW" if whole and t_w else kind) + str(i) + (f".{s}" if v > 1 else "")
                 spans.append({"rank": r, "name": name, "start": start, "end": start + cost, "kind": "compute"})
