@@ -163,10 +163,15 @@ def _grade_everything(tmp_path_factory, labs):
 def test_chapter1_class_scores(graded):
     got = graded.cls
     scores = {name: got[name].score for name in mk.ch1_class()}
-    assert scores == {"correct": 6, "not_started": 0, "wrong": 0, "partial": 3, "crashing": 0, "hanging": 0,
-                      "tampered_check": 0, "deleted_check": 3, "rank_side_patch": 0, "invalid_json": 0}
+    assert scores == {"correct": 6, "not_started": 0, "wrong": 0, "partial": 0, "crashing": 0, "hanging": 0,
+                      "tampered_check": 0, "deleted_check": 0, "rank_side_patch": 0, "invalid_json": 0}
     reasons = {name: [v.reason for v in got[name].verdicts] for name in scores}
-    assert reasons["partial"][1::2] == ["rank 0 called all_reduce: use only send/recv (isend/irecv)"] * 3
+    # the library all-reduce gets the values right, but lab 1 allows only send/recv in every call of the check
+    judged = [v.judged for v in got["partial"].verdicts]
+    assert all(j.startswith("PASS") for j in judged[0::2]) and all(
+        "rank 0 called all_reduce: use only send/recv (isend/irecv)" in j for j in judged[1::2]), judged
+    assert all(r.startswith("audit: called all_reduce: this lab allows only recv/send, in every call of the check")
+               for r in reasons["partial"]), reasons["partial"]
     assert all(r.startswith("not implemented yet") for r in reasons["not_started"]), reasons["not_started"]
     # the stub raised on the first case's ranks; the runner did not launch the later cases
     assert reasons["not_started"][2:] == [
@@ -180,7 +185,7 @@ def test_chapter1_class_scores(graded):
     # check cells are never read: these hand in the same answer cells as `wrong` and `partial`, graded once
     assert got["wrong"].note == "same answer cells as class/tampered_check.ipynb (graded once)"
     assert got["partial"].note == "same answer cells as class/deleted_check.ipynb (graded once)"
-    assert not got["correct"].flags and not got["partial"].flags and not got["not_started"].flags
+    assert not got["correct"].flags and not got["not_started"].flags
 
 
 def test_the_class_run_writes_its_reports(graded):
@@ -220,8 +225,10 @@ def test_route1_changing_the_comparison_or_the_reference_changes_nothing(graded)
 @needs_bwrap
 def test_route2_a_switched_off_meter_hides_no_traffic(graded):
     r = graded.attacks["route2_meter_off_decoys"]
-    assert r.score == 1                                                     # the values are right (the library's)
-    assert [v.reason for v in r.verdicts] == ["", "rank 0 called all_reduce: use only send/recv (isend/irecv)"]
+    assert r.score == 0
+    assert [v.judged.split(":")[0] for v in r.verdicts] == ["PASS reduce_scatter, 2 ranks, values",  # the library's
+                                                            "FAIL reduce_scatter, 2 ranks, traffic"]
+    assert all(v.reason.startswith("audit: called all_reduce: this lab allows only recv/send") for v in r.verdicts)
 
 
 @needs_bwrap
@@ -394,7 +401,7 @@ def test_instructors_grade_through_nbval_on_the_same_engine(tmp_path):
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert "1 failed, 1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     assert "expected: PASS reduce_scatter, 2 ranks, traffic: point-to-point only, sends (N-1)/N x S" in run.stdout
-    assert "got:      FAIL reduce_scatter, 2 ranks, traffic: rank 0 called all_reduce" in run.stdout
+    assert "got:      FAIL reduce_scatter, 2 ranks, traffic: audit: called all_reduce" in run.stdout
     cases = {c.get("classname").split("handins.")[-1] + "::" + c.get("name"): c.find("failure") is None
              for c in ET.parse(junit).getroot().iter("testcase")}
     assert cases == {"alice.ipynb::Cell 6": True, "bob.ipynb::Cell 6": False}, cases

@@ -33,6 +33,7 @@ class RankLog:
 
     regions: dict[int, CommStats] = field(default_factory=dict)   # region -> traffic booked in it
     learner_regions: set[int] = field(default_factory=set)        # regions opened with learner code on the stack
+    op_calls: dict[str, int] = field(default_factory=dict)        # every op the rank ran, in a region or not
     evidence: list[str] = field(default_factory=list)             # one short line each
     digest: str = ""                                              # sha256 of the outputs, from `finish`
     problem: str = ""                                             # why the stream cannot be trusted past a point
@@ -50,6 +51,7 @@ def read_stream(raw: bytes, flooded: bool = False) -> RankLog:
         fields = payload.decode("utf-8", "replace").split("\t")
         kind = fields[0]
         if kind == "op" and len(fields) >= 3:
+            log.op_calls[fields[1]] = log.op_calls.get(fields[1], 0) + 1
             for calls, sent in open_regions.values():
                 calls[fields[1]] = calls.get(fields[1], 0) + 1
                 sent[fields[1]] = sent.get(fields[1], 0) + int(fields[2])

@@ -92,13 +92,17 @@ def prepare(lab: str | Path, only: list[str] | None = None, *, first_case: bool 
     return the_lab
 
 
-def _case_outputs(record: dict, seen: list[str]) -> list[Any]:
+def _case_outputs(record: dict, seen: list[str], lab: str = "") -> list[Any]:
     """One case's outputs, safe to judge; evidence found on the way goes to `seen`."""
     streams = record.get("streams") or []
     flooded = record.get("flooded") or [False] * len(streams)
     logs = [evidence.read_stream(_b64(s), bool(f)) for s, f in zip(streams, flooded)]
     for r, log in enumerate(logs):
         seen += [f"rank {r}: {e}" for e in log.evidence]
+        other = shortcuts.other_ops(lab, log.op_calls)
+        if other:
+            seen.append(f"rank {r}: called {', '.join(other)}: this lab allows only "
+                        f"{'/'.join(sorted(shortcuts.ONLY_OPS[lab]))}, in every call of the check")
     if record.get("status") != "ok":
         raise CheckFailed(record.get("reason") or "the case failed")
     blobs = [_b64(b) for b in record.get("outputs") or []]
@@ -141,12 +145,13 @@ def summarize(seen: list[str], limit: int = 8) -> list[str]:
     return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], failure: str = "") -> list[Line]:
+def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], failure: str = "", lab: str = ""
+               ) -> list[Line]:
     """The verdict lines of one case, judged here from the runner's record (like `run_task`)."""
     try:
         if record is None:
             raise CheckFailed(f"not run: {failure or 'the runner sent no result for this case'}")
-        outputs = _case_outputs(record, seen)
+        outputs = _case_outputs(record, seen, lab)
         validate(outputs)
         ref = reference_of(task, case)
     except Exception as exc:  # noqa: BLE001 - every failure is a verdict
@@ -188,7 +193,8 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None =
     for graded in lab.graded:
         task, cases, seen = graded.task, graded.task.cases(), list(outside or [])
         lines = [line for i in graded.cases
-                 for line in judge_case(task, cases[i], records.get((task.name, i)), seen, outcome.failure)]
+                 for line in judge_case(task, cases[i], records.get((task.name, i)), seen, outcome.failure,
+                                        lab.name)]
         seen = summarize(seen)
         flags += [f"{task.name}: {s}" for s in seen]
         for line in lines:

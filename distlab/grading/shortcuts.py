@@ -4,8 +4,9 @@ Lab 02 asks for data parallelism by hand, so its answers may not be (or wrap)
 `DistributedDataParallel`; lab 03-05's sharded optimizers may not be
 `ZeroRedundancyOptimizer` or FSDP; lab 07's layers may not be PyTorch's
 tensor-parallel styles; lab 08's schedules may not be `torch.distributed.pipelining`.
-(Lab 01's rings are held to point-to-point traffic by the metered group; lab 06
-is the FSDP lab itself.) Two checks:
+Lab 01's rings may run point-to-point operations only, in every call of the
+check (`ONLY_OPS`, from the ops the audit hook booked); lab 06 is the FSDP lab
+itself. Two checks for the others:
 
 - from outside the learner's processes, in the grader: `named(lab, sources)` lists
   the shortcuts the answer cells name (an import, a name or an attribute);
@@ -42,6 +43,18 @@ SHORTCUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "07_tensor_parallel": TP,
     "08_pipeline": PP,
 }
+# The collectives a lab's answers may run at all, in any call of the check (not only in its metered call): lab
+# 01's rings are point-to-point, so values computed through a library collective outside the metered call are
+# as much a shortcut as inside it.
+ONLY_OPS: dict[str, frozenset[str]] = {"01_collectives": frozenset({"send", "recv"})}
+
+
+def other_ops(lab: str, op_calls: dict[str, int]) -> list[str]:
+    """The kinds of collective a rank ran that `lab` does not allow (sorted)."""
+    allowed = ONLY_OPS.get(lab)
+    return [] if allowed is None else sorted(set(op_calls) - allowed)
+
+
 # names an answer cell may not mention, per lab (what `named` looks for)
 _EXTRA_NAMES = {FSDP2: ("fully_shard",), PP[0]: ("PipelineStage",), PP[1]: (
     "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
