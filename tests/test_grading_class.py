@@ -333,6 +333,12 @@ def test_a_fork_bomb_a_memory_hog_and_gc_through_a_library_score_zero(graded):
     assert hog.score == 0 and all("DefaultCPUAllocator: can't alloca" in v.reason for v in hog.verdicts), hog.verdicts
     lib = got["k_gc_through_library"]
     assert lib.score == 0 and any("gc.get_referrers" in f and "answer cell" in f for f in lib.flags), lib.flags
+    # the hook's sender reached through gc and used with its key: the walk was booked first; the forged finish
+    # came first, so the real one is a second finish and the outputs no longer match the first
+    forged = got["k_forge_through_gc"]
+    assert forged.score == 0 and all(v.judged.startswith("PASS") for v in forged.verdicts)
+    assert any("gc.get_objects" in f and "answer cell" in f for f in forged.flags), forged.flags
+    assert any("a second finish record" in f for f in forged.flags), forged.flags
 
 
 @needs_bwrap
