@@ -104,7 +104,9 @@ class LaunchStalled(LaunchTimeout):
         self.where = {r: _innermost(stacks.get(r, "")) for r in ranks}
         self.notes = notes or {}
         lines = [f"rank(s) {ranks} waited {stall_s:g} s without doing any work: they wait for "
-                 "each other forever, and were stopped."]
+                 "each other forever, and were stopped." if not self.detail else
+                 f"rank(s) {ranks} waited {stall_s:g} s (the stall window) for an operation that never completed, "
+                 "and were stopped."]
         for r in ranks:
             lines.append(f"  rank {r} is stuck at {self.where[r] or 'an unknown place'}"
                          + (f" (it was doing: {self.notes[r]})" if self.notes.get(r) else ""))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import sys
 import threading
 import time
@@ -76,7 +77,13 @@ def one_work_per_p2p_group() -> Iterator[None]:
     original = dist.batch_isend_irecv
 
     def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
-        works = original(p2p_op_list)
+        _GROUPING.append([])
+        try:
+            works = original(p2p_op_list)
+        finally:
+            group = _GROUPING.pop()
+        if group:     # strict ops: the stream runs the group as one unit
+            group[0].stream.put(_Group(group))
         return [GroupWork(list(works))] if works else works
 
     dist.batch_isend_irecv = batch_isend_irecv
@@ -146,96 +153,152 @@ class _Pending:
 
 _PENDING = _Pending()
 _LOCK = threading.Lock()
-_SEQ = itertools.count(1)
+_SEQ = itertools.count(1)          # ops, numbered in issue order on this rank
+_STREAMS = itertools.count(0)
+
+
+class _Stream:
+    """A process group's NCCL stream, as far as completion goes: its ops finish in issue order, in a thread
+    of their own (the host goes on). A joined op's result is copied in when it arrives; an unjoined one's
+    waits for its `wait()` (until then nothing orders a read after it, and the outputs stay poisoned)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def put(self, work: "StrictWork") -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=f"strict-stream-{self.name}", daemon=True)
+            self.thread.start()
+        self.queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            self.queue.get()._arrive()
+
+
+class _Group:
+    """The ops of one `batch_isend_irecv`: NCCL runs a group as one kernel, so they progress together
+    (waited one after another, a group whose sends only move inside gloo's wait() would deadlock)."""
+
+    def __init__(self, works: list["StrictWork"]) -> None:
+        self.works = works
+
+    def _arrive(self) -> None:
+        helpers = [threading.Thread(target=w._wait_inner, daemon=True) for w in self.works[1:]]
+        for t in helpers:
+            t.start()
+        if self.works:
+            self.works[0]._wait_inner()
+        for t in helpers:
+            t.join()
+        for w in self.works:
+            w._arrived()
+
+
+_GROUPING: list[list["StrictWork"]] = []   # while a batch_isend_irecv issues its ops: the group's works
 
 
 class StrictWork(dist.Work):
     """One strict op: gloo's Work on private buffers; the real outputs poisoned until it completes."""
 
     def __init__(self, name: str, inner: Any, outputs: list[torch.Tensor], privates: list[torch.Tensor],
-                 stall_s: float, rank: int) -> None:
+                 stall_s: float, rank: int, stream: _Stream) -> None:
         super().__init__()
-        self.name, self.inner, self.outputs, self.privates = name, inner, outputs, privates
+        self.name, self.inner, self.outputs, self.privates, self.stream = name, inner, outputs, privates, stream
         self.stall_s, self.rank, self.seq, self.issued_at = stall_s, rank, next(_SEQ), _issuer()
         self._lock = threading.Lock()
         self.joined = False          # wait() was called: reads are ordered after the op (a GPU's stream)
-        self.done = False
+        self.arrived = False         # gloo finished it (the bytes are in the private buffers)
+        self.done = False            # the result is in the real outputs
+        self.error: BaseException | None = None
+        self._done = threading.Event()
         self.spans = [_span(o) for o in outputs if o.numel()]
         with _LOCK:
             _PENDING.works.append(self)
+        if _GROUPING:
+            _GROUPING[-1].append(self)
+        else:
+            stream.put(self)
 
     def describe(self) -> str:
         shapes = ", ".join(str(tuple(o.shape)) for o in self.outputs[:3]) or "no output"
         return f"{self.name} #{self.seq} (outputs {shapes}) issued at {self.issued_at}"
 
-    def complete(self) -> None:
-        """Block (spinning, as a CPU thread behind a CUDA kernel does) until the op is done; copy its
-        result into the real outputs. Raises `StrictStall` after the stall window."""
+    def _arrive(self) -> None:
+        """On the stream's thread: wait for gloo; copy the result in if the op is joined."""
+        self._wait_inner()
+        self._arrived()
+
+    def _wait_inner(self) -> None:
+        try:
+            self.inner.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the rank's thread by complete()
+            self.error = exc
+
+    def _arrived(self) -> None:
+        with self._lock:
+            self.arrived = True
+            if self.joined or self.error is not None:
+                self._finish()
+
+    def _finish(self) -> None:
+        """Under self._lock, once arrived: the result into the outputs, the op off the pending list."""
         if self.done:
             return
-        with self._lock:   # the rank's thread and gloo's (a future's callback) may both get here
-            if not self.done:
-                self._complete()
+        if self.error is None:
+            # No mode sees the copy: it is the op's own completion, not a read (StreamOrder would wait for it).
+            with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+                for out, priv in zip(self.outputs, self.privates):
+                    if priv is not out:
+                        out.copy_(priv)
+        self.done = True
+        self.privates = []
+        with _LOCK:
+            if self in _PENDING.works:
+                _PENDING.works.remove(self)
+        self._done.set()
 
-    def _complete(self) -> None:
-        if not self.inner.is_completed():
-            # gloo's wait() in a thread (some of its ops only make progress inside wait()), while this thread
-            # spins on a short sleep: the rank stays visibly busy (a CPU-time monitor counts it as working,
-            # as it would a rank behind a hung CUDA kernel) without taking a core from its peers.
-            failure: list[BaseException] = []
-
-            def waiter() -> None:
-                try:
-                    self.inner.wait()
-                except BaseException as exc:  # noqa: BLE001 - re-raised on the rank's thread
-                    failure.append(exc)
-            thread = threading.Thread(target=waiter, name=f"strict-wait-{self.seq}", daemon=True)
-            thread.start()
+    def complete(self) -> None:
+        """Block until the result is in the outputs, spinning (as a CPU thread behind a CUDA kernel does:
+        a CPU-time monitor counts this rank as working). Raises `StrictStall` after the stall window."""
+        if not self.done:
+            self.wait()
             deadline = time.monotonic() + self.stall_s
-            while thread.is_alive():
+            while not self._done.is_set():
                 time.sleep(0.0002)
                 if time.monotonic() > deadline:
-                    self._abandon()
+                    with _LOCK:
+                        if self in _PENDING.works:
+                            _PENDING.works.remove(self)
                     raise StrictStall(
                         f"rank {self.rank}: {self.describe()} did not complete within the stall window "
                         f"({self.stall_s:g} s): a peer never joined it (a collective some ranks skip, a recv "
                         "without its send, ranks issuing ops in different orders). On NCCL this rank would spin "
                         "at 100% CPU and the process group's watchdog would report the same op.")
-            if failure:
-                self._abandon()
-                raise failure[0]
-        else:
-            self.inner.wait()   # raises gloo's error, if the op failed
-        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
-            for out, priv in zip(self.outputs, self.privates):
-                if priv is not out:
-                    out.copy_(priv)
-        self.done = True
-        with _LOCK:
-            if self in _PENDING.works:
-                _PENDING.works.remove(self)
-
-    def _abandon(self) -> None:
-        self.done = True
-        with _LOCK:
-            if self in _PENDING.works:
-                _PENDING.works.remove(self)
+        if self.error is not None:
+            raise self.error
 
     # dist.Work's interface, with NCCL's meaning.
     def wait(self, timeout: Any = None) -> bool:
         """Order later reads after the op; do not block the host (NCCL's `wait()` syncs streams, not
         the CPU)."""
-        self.joined = True
+        if not self.joined:
+            with self._lock:
+                self.joined = True
+                if self.arrived:
+                    self._finish()
         return True
 
     def is_completed(self) -> bool:
-        return self.done or bool(self.inner.is_completed())
+        return self.done
 
     def is_success(self) -> bool:
-        return self.is_completed()
+        return self.done and self.error is None
 
     def exception(self) -> Any:
-        return None
+        return self.error
 
     def source_rank(self) -> int:
         return self.inner.source_rank()
@@ -244,22 +307,18 @@ class StrictWork(dist.Work):
         return self.outputs
 
     def synchronize(self) -> None:
-        self.joined = True
+        self.wait()
 
     def get_future(self) -> torch.futures.Future:
         """C++ callers (DDP's reducer) chain on the future: it completes (results copied in) in gloo's
         thread when the op is done, as a CUDA future completes on NCCL's stream."""
+        self.wait()
+
         def done(fut: torch.futures.Future) -> list[torch.Tensor]:
             fut.wait()
             with self._lock:
-                if not self.done:
-                    with torch.no_grad():
-                        for out, priv in zip(self.outputs, self.privates):
-                            out.copy_(priv)
-                    self.done = True
-                    with _LOCK:
-                        if self in _PENDING.works:
-                            _PENDING.works.remove(self)
+                self.arrived = True
+                self._finish()
             return self.outputs
         return self.inner.get_future().then(done)
 
@@ -330,9 +389,39 @@ class StrictBackend(dist.ProcessGroup):
         self.inner = dist.ProcessGroup(store, rank, size)
         self.inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self.inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        self.stream = _Stream(f"{rank}-{next(_STREAMS)}")
 
     def getBackendName(self) -> str:
         return STRICT_BACKEND
+
+    # A Python process group keeps its own name (torch's ProcessGroup keeps it on its C++ backends, which this
+    # one has none of): DeviceMesh and the functional collectives find groups by name.
+    _group_name = ""
+    _group_desc = ""
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    setGroupName = _set_group_name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    setGroupDesc = _set_group_desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def size(self) -> int:
         return self._size
@@ -360,7 +449,7 @@ class StrictBackend(dist.ProcessGroup):
             for o in outputs:
                 _poison(o)
         return StrictWork(name, inner, outputs, _flat(privates_tree) if privates_tree is not None else [],
-                          self.stall_s, self._rank)
+                          self.stall_s, self._rank, self.stream)
 
     # Collectives. The output argument (position) is poisoned until the op completes.
     def allreduce(self, tensors, opts=None):
