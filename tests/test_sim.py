@@ -140,3 +140,21 @@ def test_the_calculator_marks_the_simulated_cells():
     assert "1.9 (simulated)" in box.text()[0] and "fake tensors" in box.text()[0]
     box.controls["devices"].value = 32          # no simulation at N = 32: formulas only
     assert "simulated" not in box.text()[0]
+
+
+# ---- chapter 8's planner, checked against simulation ----------------------------------------------------
+
+def test_the_planner_predicts_the_simulated_model_states_of_the_recipes_within_5_percent():
+    # 7B ZeRO-2 on 8, 13B ZeRO-3 on 32, 70B ZeRO-3 + TP 8 on 64, 175B dp 8 x tp 8 x pp 16 + ZeRO-3 on 1024.
+    # Short sequences: model states do not depend on them (beyond the position embedding, counted by both);
+    # the tp/pp layouts skip forward and backward (zero gradients of each shard's shape: the same states).
+    checks = sim.check_recipes(classes(), seq_len=256, backward=False)
+    assert [(c.name, c.gpus) for c in checks] == [("7B", 8), ("13B", 32), ("70B", 64), ("175B", 1024)]
+    for c in checks:
+        assert c.ratio == pytest.approx(1, abs=0.05), f"{c.name} {c.layout}: simulated / predicted = {c.ratio:.3f}"
+        assert c.num_params == pytest.approx(float(c.name[:-1]) * 1e9, rel=0.05)
+    # what each recipe leaves on a device, from the closed form: 2 Psi + 14 Psi / 8 for 7B with ZeRO-2
+    assert checks[0].simulated_bytes == pytest.approx((2 + 14 / 8) * checks[0].num_params, rel=0.01)
+    with pytest.raises(ValueError, match="ZeRO-3 over dp"):
+        from distlab.course.planner import Layout, ModelSpec
+        sim.check_plan(ModelSpec.from_size(1e9), Layout(dp=2, tp=2, zero=1), seq_len=64)
