@@ -44,8 +44,11 @@ class MemoryStats:
 class _StorageTracker(EagerMode):
     """Counts bytes of storages born inside the mode, until each is freed."""
 
-    def __init__(self) -> None:
+    def __init__(self, book_frees: bool = False) -> None:
         super().__init__()
+        # book_frees: as CUDA's allocator counters do, a storage made before the block that the block frees
+        # counts as minus its bytes (the strict backend's ranks measure as a GPU would).
+        self.book_frees = book_frees
         self.current_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}  # storage data_ptr -> nbytes
@@ -59,7 +62,12 @@ class _StorageTracker(EagerMode):
         if key not in self._preexisting:
             self._preexisting.add(key)
             # Once freed, the address may be reused by a storage we must count.
-            weakref.finalize(storage, self._preexisting.discard, key)
+            weakref.finalize(storage, self._forget_preexisting, key, storage.nbytes())
+
+    def _forget_preexisting(self, key: int, nbytes: int) -> None:
+        self._preexisting.discard(key)
+        if self.book_frees:
+            self.current_bytes -= nbytes
 
     def _note(self, storage: torch.UntypedStorage) -> None:
         key = storage.data_ptr()
@@ -73,8 +81,17 @@ class _StorageTracker(EagerMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.book_frees and func.namespace == "c10d":
+            # On the strict backend a c10d op's tensors are its private buffers, not the program's.
+            return func(*args, **kwargs)
         inputs = {_local(t).untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        if self.book_frees:
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    storage = _local(t).untyped_storage()
+                    if storage.data_ptr() not in self._live and storage.nbytes():
+                        self._remember_preexisting(storage)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
@@ -160,6 +177,9 @@ def track_memory(device: torch.device | str | None = None) -> Iterator[Any]:
     """Measure bytes allocated inside the block: `.current_bytes`, `.peak_bytes`, `.stats()`,
     `.reset_peak()` (start a new phase).
 
+    On the strict backend's CPU ranks the meter books as CUDA's counters do: a
+    storage made before the block and freed in it counts as minus its bytes.
+
     `device` defaults to this rank's device (`distlab.device()`). On CUDA the
     figures are the caching allocator's (blocks rounded to 512 B, plus
     workspaces cuBLAS/NCCL allocate on first use): run one step before the
@@ -171,7 +191,8 @@ def track_memory(device: torch.device | str | None = None) -> Iterator[Any]:
     if dev.type == "cuda":
         yield _CudaTracker(dev)
         return
-    with _StorageTracker() as tracker, _booking_resizes(tracker):
+    from distlab.engine.strict import is_strict
+    with _StorageTracker(book_frees=is_strict()) as tracker, _booking_resizes(tracker):
         yield tracker
 
 
