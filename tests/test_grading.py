@@ -116,6 +116,24 @@ def test_results_are_checked_in_a_child_with_a_deadline():
         "its outputs could not be checked within 0.001 s"]
 
 
+def test_secret_inputs_differ_from_the_package_s_and_reach_one_rank_only(tmp_path, monkeypatch):
+    from distlab.checks import ch01
+    from distlab.grading import secret
+    inputs = secret.draw("01_collectives")
+    with secret.patched("01_collectives", inputs):
+        drawn = ch01.data(1, 7, torch.float32)
+    assert torch.equal(drawn, inputs[1]["7:float32"]) and not torch.equal(drawn, ch01.data(1, 7, torch.float32))
+    fd = secret.offer(str(tmp_path / "inputs1"), secret.blob(inputs[1]))
+    got = secret.receive(str(tmp_path / "inputs1"))
+    os.close(fd)
+    assert not (tmp_path / "inputs1").exists()            # unlinked by its reader: no other rank can open it
+    monkeypatch.setattr(ch01, "data", ch01.data)          # restored after the test
+    secret.install("01_collectives", got, 1)
+    assert torch.equal(ch01.data(1, 1001, torch.bfloat16), inputs[1]["1001:bfloat16"])
+    with pytest.raises(Exception, match="rank 1 asked for rank 0's inputs"):
+        ch01.data(0, 7, torch.float32)
+
+
 # ---------------------------------------------------------------- the seccomp filter, in a child process
 
 SECCOMP_SCRIPT = r"""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import re
 import json
 import os
 import resource
@@ -339,6 +340,14 @@ def test_a_fork_bomb_a_memory_hog_and_gc_through_a_library_score_zero(graded):
     assert forged.score == 0 and all(v.judged.startswith("PASS") for v in forged.verdicts)
     assert any("gc.get_objects" in f and "answer cell" in f for f in forged.flags), forged.flags
     assert any("a second finish record" in f for f in forged.flags), forged.flags
+
+
+@needs_bwrap
+def test_inputs_come_from_a_secret_seed_so_no_rank_can_rebuild_another_s(graded):
+    # right in the notebook, where inputs are seeded by the package; under grading a rank holds only its own
+    r = graded.kernel["predicted_inputs"]
+    assert r.score == 0 and all(re.search(r"raised CheckFailed: rank \d asked for rank \d's inputs: under grading "
+                                          r"each rank has only its own", v.reason) for v in r.verdicts), r.verdicts
 
 
 @needs_bwrap

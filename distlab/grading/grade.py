@@ -2,7 +2,8 @@
 
 `prepare` reads which tasks the shipped lab grades (`lab.load_lab`) and
 computes every case's reference once, in this process, with no learner code
-anywhere near it. `run_answers` sends a submission's answer cells to a
+anywhere near it (from inputs drawn from a secret seed where the lab allows it,
+`secret`; each rank then receives only its own). `run_answers` sends a submission's answer cells to a
 runner (`sandbox`, `runner`); every rank's outputs (safetensors + JSON, see
 `wire`) are first checked against their bounds in a child process with a
 deadline (`resultcheck`): one that fails, or a child that does not answer in
@@ -29,7 +30,7 @@ from typing import Any, Callable
 
 from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
 from distlab.checks.verdict import CheckFailed, reason
-from distlab.grading import evidence, resultcheck, sandbox, shortcuts, submission, wire
+from distlab.grading import evidence, resultcheck, sandbox, secret, shortcuts, submission, wire
 from distlab.grading.lab import ShippedLab, load_lab
 from distlab.grading.sandbox import MAX_RESULT_BYTES, Limits
 
@@ -85,6 +86,15 @@ def prepare(lab: str | Path, only: list[str] | None = None, *, first_case: bool 
     the_lab = load_lab(lab).select(only)
     if first_case:
         the_lab.first_cases()
+    if secret.supported(the_lab.name):      # inputs drawn from a secret seed; references from them, here
+        inputs = secret.draw(the_lab.name)
+        with secret.patched(the_lab.name, inputs):
+            for graded in the_lab.graded:
+                cases = graded.task.cases()
+                for i in graded.cases:
+                    the_lab.references[graded.task.name, i] = graded.task.reference(cases[i])
+        the_lab.inputs = {r: secret.blob(x) for r, x in inputs.items()}
+        return the_lab
     for graded in the_lab.graded:
         cases = graded.task.cases()
         for i in graded.cases:
@@ -145,15 +155,16 @@ def summarize(seen: list[str], limit: int = 8) -> list[str]:
     return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], failure: str = "", lab: str = ""
-               ) -> list[Line]:
-    """The verdict lines of one case, judged here from the runner's record (like `run_task`)."""
+def judge_case(task: Task, case: Case, record: dict | None, seen: list[str], failure: str = "", lab: str = "",
+               reference: Any = None) -> list[Line]:
+    """The verdict lines of one case, judged here from the runner's record (like `run_task`); `reference`:
+    the case's reference when its inputs were drawn secretly (else the task's own, cached)."""
     try:
         if record is None:
             raise CheckFailed(f"not run: {failure or 'the runner sent no result for this case'}")
         outputs = _case_outputs(record, seen, lab)
         validate(outputs)
-        ref = reference_of(task, case)
+        ref = reference_of(task, case) if reference is None else reference
     except Exception as exc:  # noqa: BLE001 - every failure is a verdict
         return [Line(n, False, reason(exc, task.hang_hint)) for n in case.lines]
     try:
@@ -194,7 +205,7 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None =
         task, cases, seen = graded.task, graded.task.cases(), list(outside or [])
         lines = [line for i in graded.cases
                  for line in judge_case(task, cases[i], records.get((task.name, i)), seen, outcome.failure,
-                                        lab.name)]
+                                        lab.name, lab.references.get((task.name, i)))]
         seen = summarize(seen)
         flags += [f"{task.name}: {s}" for s in seen]
         for line in lines:
@@ -211,7 +222,8 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
     """Run one set of answer cells in a runner and judge it: (verdicts, audit flags, runner failure, CPU s)."""
     job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
            "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
-           "cap_s": opts.case_cap_s, "backend": opts.backend}
+           "cap_s": opts.case_cap_s, "backend": opts.backend,
+           "inputs": {str(r): base64.b64encode(b).decode() for r, b in lab.inputs.items()}}
     if opts.keep:
         log = Path(opts.keep) / f"{Path(name).stem}.runner.log"
         log.parent.mkdir(parents=True, exist_ok=True)

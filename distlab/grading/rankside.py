@@ -3,6 +3,7 @@
 The sandbox runner launches `run_case(...)` on every rank of one case with
 `distlab.launch`. In order, before any learner code:
 
+0. its secret inputs, when the lab's are drawn by the grader (`distlab.grading.secret`);
 1. `audithook.install`: the rank's event stream and its key, the hook;
 2. the lab's library shortcuts are watched (`distlab.grading.shortcuts`), and
    the default process group is re-created as a `MeteredGroup`
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distlab.grading import audithook, pgmeter, seccomp, shortcuts, wire
+from distlab.grading import audithook, pgmeter, seccomp, secret, shortcuts, wire
 from distlab.grading.wire import REGION_KEY
 # What a check's rank-side half relies on: rebinding a function or class attribute here is evidence. (Other
 # modules are left alone: torch itself rewraps e.g. every optimizer class's `step` on first use, and a
@@ -122,8 +123,11 @@ def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -
 
 
 def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, str]], names: list[str],
-             stream_paths: list[str], timeout_s: float) -> bytes:
-    """On every rank: one case of one task with the learner's cells; returns the pickled outputs."""
+             stream_paths: list[str], timeout_s: float, input_paths: list[str] | None = None) -> bytes:
+    """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
+    `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`)."""
+    if input_paths:     # first: every rank has read and unlinked its own before any rank runs learner code
+        secret.install(lab, secret.receive(input_paths[dist.get_rank()]), dist.get_rank())
     from distlab.checks import lab_module
     from distlab.meters.comm import CommStats, _CommMeter  # noqa: F401 - imported before learner code
 
