@@ -27,3 +27,21 @@ def test_the_gpu_tests_rank_functions_run_on_cpu_ranks(no_orphans):
         assert res["fsdp"] == ("cpu", True)
     current, peak_phase, where = out[0]["memory"]
     assert where == "cpu" and current == 4 * 2 ** 20 and peak_phase == 2 * 4 * 2 ** 20
+
+
+def test_bf16_emulated_on_a_pre_ampere_gpu_is_not_native(monkeypatch):
+    """torch.cuda.is_bf16_supported() counts emulation by default: a V100 or T4 would compute bf16 emulated,
+    far slower than fp32. The course asks for hardware bf16 (issue 23, a likely point, now fixed)."""
+    import torch
+
+    from distlab.engine import precision
+    monkeypatch.delenv("DISTLAB_NATIVE_BF16", raising=False)
+    asked = []
+
+    def is_bf16_supported(including_emulation=True):
+        asked.append(including_emulation)
+        return including_emulation          # a pre-Ampere GPU: only through emulation
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    assert precision.native_bf16("cuda:0") is False
+    assert asked == [False]
+    assert precision.compute_dtype(torch.bfloat16, "cuda:0") == torch.float32

@@ -52,10 +52,19 @@ def _cpu_native_bf16() -> bool:
         return False
 
 
+def _cuda_native_bf16(device: torch.device) -> bool:
+    """bf16 in hardware (compute capability 8.0+, Ampere on), not emulated."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:   # a torch without the argument: read the capability
+        return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def native_bf16(device: torch.device | str | None = None) -> bool:
     """Does `device` (default: the rank's) compute in bf16 at full speed?
 
-    GPUs: `torch.cuda.is_bf16_supported()`. CPUs: oneDNN's bf16 support
+    GPUs: `torch.cuda.is_bf16_supported(including_emulation=False)` (its default
+    counts pre-Ampere GPUs, which emulate bf16 far slower, as supported). CPUs: oneDNN's bf16 support
     (AVX-512 BF16 or AMX). $DISTLAB_NATIVE_BF16=0 or 1 overrides the answer
     (tests force the fallback with it).
     """
@@ -67,7 +76,7 @@ def native_bf16(device: torch.device | str | None = None) -> bool:
         device = rank_device()
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return _cuda_native_bf16(device)
     return _cpu_native_bf16()
 
 
