@@ -45,3 +45,14 @@ def test_bf16_emulated_on_a_pre_ampere_gpu_is_not_native(monkeypatch):
     assert precision.native_bf16("cuda:0") is False
     assert asked == [False]
     assert precision.compute_dtype(torch.bfloat16, "cuda:0") == torch.float32
+
+
+def test_launch_backend_follows_distlab_backend(monkeypatch):
+    """`distlab grade --backend gloo` sets $DISTLAB_BACKEND: a check's reference (chapter 8's offload step
+    launches one) then runs on the learner's backend, not on NCCL because the box has a GPU."""
+    import pytest
+
+    import distlab
+    monkeypatch.setenv("DISTLAB_BACKEND", "nccl")
+    with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs"):
+        distlab.launch(lambda: None, 1)

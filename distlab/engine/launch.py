@@ -472,12 +472,15 @@ def audit_requested() -> bool:
     return os.environ.get("DISTLAB_DEVICE_AUDIT", "0") not in ("", "0", "false", "False")
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
            timeout: float | None = None, stall: float | None = None, audit: bool | None = None,
            strict: bool | None = None, loads: Callable[[bytes], Any] | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results by rank.
 
     The process group is up before `fn` starts and torn down after it ends.
+    `backend` (default $DISTLAB_BACKEND, else "auto": NCCL when there is a GPU
+    per rank, else gloo). `distlab grade --backend gloo` sets it, so that a
+    check's reference runs where the learner's ranks run.
     `stall` (seconds, default `default_stall(backend)`): how long every
     unfinished rank may go without any work before the launch counts as stuck.
     `timeout` (seconds, default 4 h): a last-resort cap on the whole launch.
@@ -496,7 +499,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     ranks are stopped before it returns.
     """
     world_size = _check_world_size(world_size)
-    backend = resolve_backend(backend, world_size)
+    backend = resolve_backend(backend or os.environ.get("DISTLAB_BACKEND") or "auto", world_size)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     stall = default_stall(backend) if stall is None else float(stall)
     if timeout <= 0 or stall <= 0:
