@@ -118,7 +118,13 @@ def _issuer() -> str:
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes `t` covers in memory: exact for a contiguous tensor, its whole storage otherwise."""
+    """The bytes `t` covers in memory: exact for a contiguous tensor, its whole storage otherwise.
+    A tensor subclass without storage (DTensor) is its local tensor."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        return _span(local)
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not torch._C._has_storage(t):
+        return (0, 0)
     if t.is_contiguous():
         start = t.data_ptr()
         return start, start + t.numel() * t.element_size()
