@@ -13,6 +13,7 @@ import math
 import pytest
 
 from distlab.course.pipeline import measure as pp_measure
+from distlab.course.tensor_parallel import dropout_rng, measure_cp
 from distlab.course.tensor_parallel import measure as tp_measure
 from distlab.meters import Span
 
@@ -22,7 +23,8 @@ def _public_functions(module):
             if inspect.isfunction(f) and not name.startswith("_") and f.__module__ == module.__name__]
 
 
-@pytest.mark.parametrize("module", [tp_measure, pp_measure], ids=["tensor_parallel", "pipeline"])
+@pytest.mark.parametrize("module", [tp_measure, measure_cp, dropout_rng, pp_measure],
+                         ids=["tensor_parallel", "context_parallel", "dropout_rng", "pipeline"])
 def test_every_function_is_documented_and_typed(module):
     functions = _public_functions(module)
     assert functions

@@ -218,7 +218,10 @@ TITLES: dict[str, tuple[int, str, str]] = {
     "sp": (7, "Chapter 7 — Sequence parallelism",
            "Reduce-scatter + all-gather at the all-reduce's bytes; norm and dropout activations cut by t."),
     "cp_ring": (7, "Chapter 7 — Context parallelism: ring attention and Ulysses",
-                "Bytes per step of the ring and of the all-to-all variant, and peak memory, against theory."),
+                "Bytes per step of the ring and of the all-to-all variant, peak memory, and the bytes kept for "
+                "backward in training, against theory."),
+    "cp_zigzag": (7, "Chapter 7 — Zig-zag ring attention (lab 7)",
+                  "Attention FLOPs of the slowest rank, plain ring against zig-zag, against theory."),
     "zero3_vs_tp": (7, "Chapter 7 — ZeRO-3 against tensor parallelism",
                     "Bytes per step of each as tokens per step grow: weights against activations."),
     "tp_2d": (7, "Chapter 7 — 2-D: FSDP over data × TP over the model",
