@@ -538,10 +538,10 @@ def check_plan(spec: Any, layout: Any, *, seq_len: int = 4096, classes: dict[str
 
 def recipe_layouts() -> list[tuple[float, Any]]:
     """The source notes' recipes by model size, each on a GPU count it is used at: 7B data parallel with
-    ZeRO-2 on 8 GPUs, 13B ZeRO-3 on 32, 70B ZeRO-3 + TP 8 on 64, 175B 3-D (dp 8 x tp 8 x pp 16) + ZeRO-3
+    ZeRO-2 on 8 GPUs, 13B ZeRO-3 on 16, 70B ZeRO-3 + TP 8 on 64, 175B 3-D (dp 8 x tp 8 x pp 16) + ZeRO-3
     on 1024."""
     from distlab.course.planner import Layout
-    return [(7e9, Layout(dp=8, zero=2)), (13e9, Layout(dp=32, zero=3)), (70e9, Layout(dp=8, tp=8, zero=3)),
+    return [(7e9, Layout(dp=8, zero=2)), (13e9, Layout(dp=16, zero=3)), (70e9, Layout(dp=8, tp=8, zero=3)),
             (175e9, Layout(dp=8, tp=8, pp=16, zero=3, m=16))]
 
 
