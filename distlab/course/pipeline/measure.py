@@ -33,7 +33,7 @@ from distlab.course.pipeline.stages import (FixedCost, Stage, activation_bytes, 
                                             bubble, build_stage, busy_per_microbatch, stage_loss, step_window)
 from distlab.engine import runtime as rt
 from distlab.engine.precision import MixedPrecisionAdam
-from distlab.meters import Timeline, model_state, time_call, track_comm, track_memory
+from distlab.meters import Timeline, model_state, sync, time_call, track_comm, track_memory
 
 # A schedule: (stages p, micro-batches m, rank r) -> [("F", i), ("B", i), ...], rank r's actions in order.
 Schedule = Callable[[int, int, int], list]
@@ -144,15 +144,18 @@ def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: in
         timed.reset(tl)
         dist.barrier()
         run.step(schedule(p, 1, r), 1, x if r == 0 else None, y if r == p - 1 else None)
-        spans = [None] * p
-        dist.all_gather_object(spans, [(s.name, s.start, s.end) for s in tl.finish()])
-        flat = [t for rank in spans for t in rank]
-        window = max(e for _, _, e in flat) - min(s for _, s, _ in flat)
-        last = {name: (s, e) for name, s, e in spans[-1]}
-        gap = last["B0"][0] - last["F0"][1]
+        mine = {sp.name: (sp.start, sp.end) for sp in tl.finish()}
+        t = torch.tensor([*mine["F0"], *mine["B0"]], dtype=torch.float64, device=rt.device())
+        every = [torch.empty_like(t) for _ in range(p)]
+        dist.all_gather(every, t)                            # perf_counter: one clock for the machine's ranks
+        sync()
+        rows = [e.tolist() for e in every]                   # per rank: F0 start, F0 end, B0 start, B0 end
+        window = max(r_[3] for r_ in rows) - min(r_[0] for r_ in rows)
+        busy = sum(r_[1] - r_[0] + r_[3] - r_[2] for r_ in rows)
+        gap = rows[-1][2] - rows[-1][1]
         if rep:
             gaps.append(gap)
-            hops.append((window - sum(e - s for _, s, e in flat) - gap) / (2 * (p - 1)))
+            hops.append((window - busy - gap) / (2 * (p - 1)))
     return {"hop": statistics.median(hops), "gap": statistics.median(gaps)}
 
 
