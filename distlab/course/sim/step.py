@@ -29,7 +29,7 @@ LAB_CLASS = {"zero1": ("03_zero1", "ShardedOptimizer"), "zero2": ("04_zero2", "Z
 LR = 1e-3
 
 # Shapes of the source notes' models by size (hidden h, layers L, heads), GPT-3 / Llama-like.
-_SHAPES = ((1.5e9, 2048, 24, 16), (4e9, 3072, 32, 24), (1e10, 4096, 36, 32), (2e10, 5120, 40, 40),
+_SHAPES = ((2e7, 256, 4, 4), (2e8, 768, 12, 12), (6e8, 1024, 24, 16), (1.5e9, 2048, 24, 16), (4e9, 3072, 32, 24), (1e10, 4096, 36, 32), (2e10, 5120, 40, 40),
            (4e10, 6656, 60, 52), (1e11, 8192, 80, 64), (float("inf"), 12288, 96, 96))
 
 
