@@ -98,8 +98,11 @@ def one_work_per_p2p_group() -> Iterator[None]:
 
 
 def _poison(t: torch.Tensor) -> None:
+    """Fill `t` with a value no result has, through `.data`: the bytes change as a kernel's write would,
+    the version counter autograd checks does not (NCCL's write into an output bumps none either)."""
     if t.numel() == 0:
         return
+    t = t.data
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.fill_(float("nan"))
     elif t.dtype == torch.bool:
@@ -258,7 +261,7 @@ class StrictWork(dist.Work):
             with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
                 for out, priv in zip(self.outputs, self.privates):
                     if priv is not out:
-                        out.copy_(priv)
+                        out.data.copy_(priv)
         self.done = True
         self.privates = []
         with _LOCK:
@@ -407,6 +410,8 @@ class StrictBackend(dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
+        # The c10d ops the meters see carry the inner group: under this group's name, it resolves to this one.
+        self.inner._set_group_name(name)
 
     setGroupName = _set_group_name
 
