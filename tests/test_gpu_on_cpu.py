@@ -56,3 +56,16 @@ def test_launch_backend_follows_distlab_backend(monkeypatch):
     monkeypatch.setenv("DISTLAB_BACKEND", "nccl")
     with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs"):
         distlab.launch(lambda: None, 1)
+
+
+def test_compute_dtype_in_a_kernel_asks_the_gpu_not_the_host_cpu(monkeypatch):
+    """Lecture 07 picks DTYPE in the notebook's kernel (no process group): on a GPU box the answer is the
+    GPU's, not the host CPU's (an A100 box with an AVX2 host computes in bf16)."""
+    import torch
+
+    from distlab.engine import precision
+    monkeypatch.delenv("DISTLAB_NATIVE_BF16", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(precision, "_cpu_native_bf16", lambda: False)
+    assert precision.compute_dtype(torch.bfloat16) == torch.bfloat16

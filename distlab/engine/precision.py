@@ -52,6 +52,15 @@ def _cpu_native_bf16() -> bool:
         return False
 
 
+def _default_device() -> torch.device:
+    """The rank's device on a rank; outside one (a notebook's kernel), the device this machine's ranks
+    compute on: its first GPU if it has one (asking the host CPU there would pick the GPU's dtype wrong)."""
+    from distlab.engine.runtime import backend, device as rank_device
+    if backend() != "none":
+        return rank_device()
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _cuda_native_bf16(device: torch.device) -> bool:
     """bf16 in hardware (compute capability 8.0+, Ampere on), not emulated."""
     try:
@@ -71,10 +80,7 @@ def native_bf16(device: torch.device | str | None = None) -> bool:
     forced = os.environ.get("DISTLAB_NATIVE_BF16")
     if forced in ("0", "1"):
         return forced == "1"
-    if device is None:
-        from distlab.engine.runtime import device as rank_device
-        device = rank_device()
-    device = torch.device(device)
+    device = _default_device() if device is None else torch.device(device)
     if device.type == "cuda":
         return _cuda_native_bf16(device)
     return _cpu_native_bf16()
@@ -94,10 +100,7 @@ def compute_dtype(storage_dtype: torch.dtype, device: torch.device | str | None 
 
 def describe(device: torch.device | str | None = None) -> str:
     """One line for a notebook: what bf16 storage computes in here, and why."""
-    if device is None:
-        from distlab.engine.runtime import device as rank_device
-        device = rank_device()
-    device = torch.device(device)
+    device = _default_device() if device is None else torch.device(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
         f"this CPU ({torch.backends.cpu.get_cpu_capability()})")
     if native_bf16(device):
