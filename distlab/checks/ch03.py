@@ -362,11 +362,19 @@ class StepTask(Task):
 
 @functools.lru_cache(maxsize=1)
 def _step_reference() -> dict:
+    """On one rank of the graded ranks' backend, so on their device: on a GPU the bf16 recipe computes in
+    bf16 there, and a CPU reference (fp32 compute) would sit further from a right answer than the
+    recipe's tolerance allows. On CPU ranks it is the CPU, as before."""
+    from distlab.engine.launch import launch
+    return launch(_step_reference_on_rank, 1)[0]
+
+
+def _step_reference_on_rank() -> dict:
     ref: dict = {}
     for recipe, (opt_class, kw, dtype) in RECIPES.items():
         for variant in ("frozen", "tied"):
             ref[recipe, variant] = train_single(variant, functools.partial(opt_class, **kw), steps=STEPS,
-                                                batch_size=BATCH, dtype=dtype)
+                                                batch_size=BATCH, dtype=dtype, device=distlab.device())
     for variant in ("frozen", "tied"):
         psi, params = _psi(variant)
         ref["psi", variant] = (psi, max(m for _, m in params))

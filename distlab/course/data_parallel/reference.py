@@ -66,21 +66,23 @@ def one_thread() -> Iterator[None]:
 
 def train_single(variant: str, optimizer: Callable[..., torch.optim.Optimizer] = sgd, *, steps: int,
                  batch_size: int, preset: str = "tiny", dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> dict[str, torch.Tensor]:
-    """One CPU process, the whole batch: the parameters (as fp32) after `steps` steps.
+                 seed: int = 0, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One process, the whole batch: the parameters (as fp32, on the CPU) after `steps` steps.
 
     `optimizer(trainable_params)` builds the optimizer (e.g. `sgd`, or a
-    `functools.partial` of any torch optimizer class).
+    `functools.partial` of any torch optimizer class). `device`: where to compute (a check whose
+    tolerance is tight in bf16 computes its reference on the graded ranks' device: a GPU's bf16
+    kernels round differently from a CPU's fp32 compute).
     """
     with one_thread():
-        model = make_model(variant, preset=preset, dtype=dtype, seed=seed, device="cpu")
+        model = make_model(variant, preset=preset, dtype=dtype, seed=seed, device=device)
         opt = optimizer([p for _, p in trainable(model)])
         for step in range(steps):
-            x, y = synthetic_batch(step, batch_size, PRESETS[preset], device="cpu")
+            x, y = synthetic_batch(step, batch_size, PRESETS[preset], device=device)
             lm_loss(model, x, y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return {k: v.detach().float().clone() for k, v in model.named_parameters()}
+    return {k: v.detach().float().cpu().clone() for k, v in model.named_parameters()}
 
 
 def full_batch_gradient(variant: str, *, batch_size: int, preset: str = "tiny", step: int = 0,
