@@ -483,3 +483,17 @@ def test_the_cli_says_what_is_missing_and_grades_nothing(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("distlab grade: ") and words in err, err
     assert not (tmp_path / "grades").exists() and not Path("grades").exists()
+
+
+def test_references_run_on_the_graded_backend(monkeypatch):
+    """`distlab grade --backend gloo` on a GPU box: a reference that launches its own ranks (chapter 8's
+    offload step, chapter 3's step) must run on gloo too, not on NCCL because the box has GPUs."""
+    import os
+
+    from distlab.grading import grade as grade_mod
+    seen = []
+    monkeypatch.delenv("DISTLAB_BACKEND", raising=False)
+    monkeypatch.setattr(grade_mod, "_prepare", lambda *a, **k: seen.append(os.environ.get("DISTLAB_BACKEND")))
+    grade_mod.prepare("01_collectives", backend="gloo")
+    grade_mod.prepare("01_collectives", backend="auto")
+    assert seen == ["gloo", None] and "DISTLAB_BACKEND" not in os.environ

@@ -135,7 +135,7 @@ def run(args: Any) -> int:
         if args.self:
             print(f"checking {', '.join(map(str, subs))} against {args.lab}: computing the expected results...",
                   flush=True)
-        lab = prepare(args.lab, args.only, first_case=args.first_case)
+        lab = prepare(args.lab, args.only, first_case=args.first_case, backend=args.backend)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         err(f"distlab grade: {exc}; nothing was graded")
         return 2

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import os
 import re
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
 from distlab.checks.verdict import CheckFailed, reason
@@ -80,9 +81,31 @@ def one_line(text: Any, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def prepare(lab: str | Path, only: list[str] | None = None, *, first_case: bool = False) -> ShippedLab:
+@contextlib.contextmanager
+def _references_on(backend: str) -> Iterator[None]:
+    """A reference that launches ranks of its own (chapter 3's step, chapter 8's offload) runs on the
+    graded ranks' backend: `--backend gloo` on a GPU box must not compute it on NCCL."""
+    before = os.environ.get("DISTLAB_BACKEND")
+    if backend != "auto":
+        os.environ["DISTLAB_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DISTLAB_BACKEND", None)
+        else:
+            os.environ["DISTLAB_BACKEND"] = before
+
+
+def prepare(lab: str | Path, only: list[str] | None = None, *, first_case: bool = False,
+            backend: str = "gloo") -> ShippedLab:
     """The lab, its selected tasks (`first_case`: each task's first case only), and every graded case's
-    reference computed once (here, no learner code)."""
+    reference computed once (here, no learner code), on `backend` (the graded ranks')."""
+    with _references_on(backend):
+        return _prepare(lab, only, first_case=first_case)
+
+
+def _prepare(lab: str | Path, only: list[str] | None, *, first_case: bool) -> ShippedLab:
     the_lab = load_lab(lab).select(only)
     if first_case:
         the_lab.first_cases()
