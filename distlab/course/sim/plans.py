@@ -132,7 +132,10 @@ def check_plan(spec: Any, layout: Any, *, seq_len: int = 4096, classes: dict[str
         strategy = {0: "ddp", 1: "zero1", 2: "zero2"}[L.zero]
         config = GPTConfig(vocab_size=spec.vocab_size, seq_len=seq_len, d_model=spec.d_model,
                            n_layers=spec.n_layers, n_heads=spec.n_heads)
-        state = simulate(strategy, config=config, world_size=L.dp, classes=classes, steps=1).model_state
+        # ZeRO-2 buckets of 500 MB (DeepSpeed's default reduce bucket is 5e8 elements): at this size the
+        # course's 25 MB would make hundreds of buckets, and the model states do not depend on it.
+        state = simulate(strategy, config=config, world_size=L.dp, classes=classes, steps=1,
+                         bucket_size_mb=500).model_state
     else:
         raise ValueError(f"{L}: with tp or pp the simulation runs ZeRO-3 over dp (FSDP2) only; use zero=3")
     return PlanCheck(name or spec.name, str(L), L.gpus, spec.num_params, predicted, state.total,
