@@ -69,3 +69,24 @@ def test_compute_dtype_in_a_kernel_asks_the_gpu_not_the_host_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(precision, "_cpu_native_bf16", lambda: False)
     assert precision.compute_dtype(torch.bfloat16) == torch.bfloat16
+
+
+def test_torchrun_nodes_agree_on_one_backend():
+    """A node without a GPU per local rank would join with gloo while the others join with NCCL, and hang:
+    the ranks compare their choices through the store first (issue 23, mixed backends across nodes)."""
+    import datetime
+    import socket
+
+    import pytest
+    import torch.distributed as dist
+
+    from distlab.engine.runtime import agree_on_backend
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    store.set("distlab/backend/1", "nccl gpu-node")
+    assert agree_on_backend(store, 0, 2, "nccl") == "nccl"
+    store = dist.HashStore()
+    store.set("distlab/backend/1", "nccl gpu-node")
+    with pytest.raises(RuntimeError, match=f"gloo on {socket.gethostname()}; nccl on gpu-node") as err:
+        agree_on_backend(store, 0, 2, "gloo")
+    assert "DISTLAB_BACKEND=gloo" in str(err.value)

@@ -109,6 +109,24 @@ def init_process_group(backend_name: str, *, timeout_s: float, store: Any = None
     dist.init_process_group(backend_name, **kwargs)
 
 
+def agree_on_backend(store: Any, rank_: int, world: int, mine: str) -> str:
+    """Every rank's backend choice, through `store`: the common one, or an error naming the ranks that
+    differ (which hosts lack a GPU per local rank) and what to do."""
+    import socket
+    store.set(f"distlab/backend/{rank_}", f"{mine} {socket.gethostname()}")
+    choices = [store.get(f"distlab/backend/{r}").decode().split(" ", 1) for r in range(world)]
+    kinds = {kind for kind, _ in choices}
+    if len(kinds) == 1:
+        return mine
+    by_kind = {k: sorted({host for r, (kind, host) in enumerate(choices)
+                          if kind == k}) for k in kinds}
+    raise RuntimeError(
+        f"rank {rank_}: the nodes disagree on the backend: " +
+        "; ".join(f"{k} on {', '.join(hosts)}" for k, hosts in sorted(by_kind.items())) +
+        ". NCCL needs a GPU for every local rank on every node; give each node as many GPUs as "
+        "--nproc-per-node, or run every node on gloo (DISTLAB_BACKEND=gloo).")
+
+
 def run_under_torchrun(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run `fn` as one rank of a `torchrun` job (env:// rendezvous).
 
@@ -119,7 +137,16 @@ def run_under_torchrun(fn: Any, *args: Any, **kwargs: Any) -> Any:
     use_nccl = (torch.cuda.is_available() and dist.is_nccl_available()
                 and torch.cuda.device_count() >= local_world)
     # A collective waits this long for its peers (a last resort: slow is not hung).
-    init_process_group("nccl" if use_nccl else "gloo", timeout_s=float(os.environ.get("DISTLAB_TIMEOUT", 4 * 3600)))
+    timeout_s = float(os.environ.get("DISTLAB_TIMEOUT", 4 * 3600))
+    rank_, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    # The env:// rendezvous, made here so that the nodes can agree on a backend before any group exists:
+    # a node without GPUs would otherwise join with gloo while the others join with NCCL, and hang.
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+                          world, is_master=rank_ == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                          timeout=timedelta(seconds=timeout_s))
+    mine = os.environ.get("DISTLAB_BACKEND") or ("nccl" if use_nccl else "gloo")
+    init_process_group(agree_on_backend(store, rank_, world, mine), timeout_s=timeout_s, store=store,
+                       rank_=rank_, world_size_=world)
     try:
         return fn(*args, **kwargs)
     finally:
