@@ -497,3 +497,50 @@ def test_references_run_on_the_graded_backend(monkeypatch):
     grade_mod.prepare("01_collectives", backend="gloo")
     grade_mod.prepare("01_collectives", backend="auto")
     assert seen == ["gloo", None] and "DISTLAB_BACKEND" not in os.environ
+
+
+def test_metered_nccl_group_runs_batch_isend_irecv_grouped(monkeypatch):
+    """On the metered NCCL group (a Python ProcessGroup) torch's batch_isend_irecv would issue the ops one by
+    one, and a ring of receive-then-send deadlocks on NCCL ungrouped. The grader's version brackets them with
+    the real group's start/end of coalescing and returns NCCL's one Work (issue 23, a likely point)."""
+    import torch
+    import torch.distributed as dist
+
+    from distlab.grading import pgmeter
+    calls = []
+    group = pgmeter.MeteredGroup(0, 2, "metered_nccl")
+    monkeypatch.setattr(group, "_op", lambda name, args: calls.append((name, args)) or f"work:{name}",
+                        raising=False)
+    monkeypatch.setattr(dist, "isend", lambda t, group=None, tag=0, group_dst=None: group.send([t], group_dst, tag))
+    monkeypatch.setattr(dist, "irecv", lambda t, group=None, tag=0, group_src=None: group.recv([t], group_src, tag))
+    monkeypatch.setattr(dist.distributed_c10d, "_check_p2p_op_list", lambda ops: None)
+    ops = [type("P2POp", (), {"op": staticmethod(fn), "tensor": torch.zeros(2), "group": group, "tag": 0, "group_peer": 1})()
+           for fn in (dist.irecv, dist.isend)]
+    works = pgmeter.grouped_batch_isend_irecv(lambda ops: ["ungrouped"])(ops)
+    assert works == ["work:_end_coalescing"]
+    assert [name for name, _ in calls] == ["_start_coalescing", "recv", "send", "_end_coalescing"]
+    # A metered gloo group keeps torch's path (gloo has no coalescing).
+    assert pgmeter.grouped_batch_isend_irecv(lambda ops: ["ungrouped"])(
+        [type("Op", (), {"group": pgmeter.MeteredGroup(0, 2, "metered_gloo")})()]) == ["ungrouped"]
+
+
+def test_sandbox_creates_nvidia_uvm_before_binding_gpu_nodes(monkeypatch):
+    """The driver makes /dev/nvidia-uvm at a process's first CUDA call: the sandbox asks for one first where
+    the driver is present and uvm is not, so the node exists to be bound (issue 23, a likely point)."""
+    import glob as glob_mod
+    import os
+    import subprocess
+
+    from distlab.grading import sandbox
+    nodes = {"/dev/nvidia0", "/dev/nvidiactl"}
+    monkeypatch.setattr(os.path, "exists", lambda p: p in nodes)
+    monkeypatch.setattr(glob_mod, "glob", lambda pattern: sorted(nodes))
+    ran = []
+
+    def run(cmd, **kw):
+        ran.append(cmd[-1])
+        nodes.update({"/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"})
+    monkeypatch.setattr(subprocess, "run", run)
+    assert sandbox.gpu_nodes() == ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0", "/dev/nvidiactl"]
+    assert len(ran) == 1 and "cuda" in ran[0]
+    assert sandbox.gpu_nodes() and len(ran) == 1       # uvm exists now: no second CUDA call

@@ -130,7 +130,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     import torch
     import torch.distributed as dist
 
-    from distlab.grading.pgmeter import OP_KINDS, booking
+    from distlab.grading.pgmeter import COALESCING, OP_KINDS, booking
 
     on_group_thread = _group_thread()
     libs, stdlib = trusted_roots()
@@ -153,6 +153,8 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     Gloo = dist.ProcessGroupGloo
     Nccl = getattr(dist, "ProcessGroupNCCL", None)
     kinds = dict(OP_KINDS)
+    markers = frozenset(COALESCING)
+    Device = torch.device
     aliases = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
                "all_to_all_single": "alltoall_base", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
                "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
@@ -304,9 +306,16 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         if ev == "distlab.pg.op":
             group, name, box, call = args
             entry = groups.get(_id(group))
-            if entry is None or entry[0] is not group or _type(name) is not _str or name not in kinds \
+            if entry is None or entry[0] is not group or _type(name) is not _str \
+                    or (name not in kinds and name not in markers) \
                     or _type(box) is not _list or _type(call) is not _tuple:
                 raise RuntimeError("distlab grade: a call on a process group the grader did not create")
+            if name in markers:    # NCCL's group start/end around a batch_isend_irecv: no bytes
+                if _len(call) != 1 or _type(call[0]) is not Device:
+                    raise TypeError("distlab grade: " + name + " takes one torch.device")
+                with no_dispatch():
+                    box.append(_getattr(entry[1], name)(call[0]))
+                return
             call = clean(call)
             with no_torch_fn():
                 kind, nbytes = book(name, call, entry[2], entry[3])

@@ -140,7 +140,7 @@ def argv(user_ns: bool = True) -> list[str]:
             cmd += ["--perms", "0755", "--dir", parent]
     for root in roots:
         cmd += ["--ro-bind", root, root]
-    gpus = sorted(glob.glob("/dev/nvidia*"))
+    gpus = gpu_nodes()
     for node in gpus:
         cmd += ["--dev-bind", node, node]
     if gpus:
@@ -150,6 +150,20 @@ def argv(user_ns: bool = True) -> list[str]:
     for key, value in _env("/tmp").items():
         cmd += ["--setenv", key, value]
     return cmd
+
+
+def gpu_nodes() -> list[str]:
+    """The NVIDIA device nodes to pass through. The driver creates /dev/nvidia-uvm (and -uvm-tools) on the
+    first CUDA call of any process; a grader that has made none would bind only /dev/nvidia0 and
+    /dev/nvidiactl, and CUDA inside the sandbox (which may not create nodes) would find no device. So where
+    the driver is present and uvm is not, one short CUDA call in a child process creates it first."""
+    if os.path.exists("/dev/nvidiactl") and not os.path.exists("/dev/nvidia-uvm"):
+        try:
+            subprocess.run([sys.executable, "-c", "import torch; torch.cuda.is_available() and torch.cuda.init()"],
+                           timeout=120, capture_output=True, check=False)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return sorted(glob.glob("/dev/nvidia*"))
 
 
 def _env(home: str) -> dict[str, str]:
