@@ -217,6 +217,9 @@ TITLES: dict[str, tuple[int, str, str]] = {
     "tp_torch": (7, "Chapter 7 — PyTorch's parallelize_module", "The same block through DTensor, against theory."),
     "sp": (7, "Chapter 7 — Sequence parallelism",
            "Reduce-scatter + all-gather at the all-reduce's bytes; norm and dropout activations cut by t."),
+    "scale": (6, "Chapter 6 — The ZeRO table at 7.5B on 64 ranks, simulated",
+              "Model states and bytes per step of each stage, from the shipped solutions' classes and DDP run as "
+              "rank 0 of 64 on fake tensors, against the closed forms."),
     "cp_ring": (7, "Chapter 7 — Context parallelism: ring attention and Ulysses",
                 "Bytes per step of the ring and of the all-to-all variant, peak memory, and the bytes kept for "
                 "backward in training, against theory."),
