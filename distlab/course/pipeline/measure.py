@@ -196,14 +196,16 @@ def _timed(pstage: Any, timeline: Timeline, label: Any) -> None:
         setattr(pstage, method, wrapped)
 
 
-def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: int = 2) -> dict[str, Any]:
+def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: int = 2,
+                    repeats: int = 1) -> dict[str, Any]:
     """PyTorch's schedules (`torch.distributed.pipelining.schedules`, name -> chunks per rank v) on the
     8-block "tiny" model in p x v chunks, each with a fixed cost of cost / v for F, B and W.
 
     Rank r holds chunks r, r + p, ... (ZBV: r and 2p - 1 - r). One untimed step (shapes are inferred
-    there), then one measured step. Per schedule: `spans` (this rank's F, B, W, or BW for a whole
-    backward), mean `loss` (on the rank with the last chunk; None elsewhere), `comm`: the sends and
-    receives between chunks, `grads` under their names in the whole model.
+    there), then `repeats` measured steps. Per schedule: `steps` (per measured step, this rank's F, B,
+    W, or BW for a whole backward), `spans` (the first's), mean `loss` (of the last step, on the rank
+    with the last chunk; None elsewhere), `comm`: the first measured step's sends and receives
+    between chunks, `grads` (of the last step) under their names in the whole model.
     """
     warnings.filterwarnings("ignore")
     from torch.distributed.pipelining import PipelineStage
@@ -226,15 +228,20 @@ def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: in
         args = (x,) if 0 in chunks else ()
         kwargs = {"target": y, "losses": losses} if n - 1 in chunks else {}
         sched.step(*args, **kwargs)                          # warm-up (shapes are inferred here)
-        for st in stages:
-            st.zero_grad(set_to_none=True)
-        tl.finish().clear()                                  # (on GPUs, finish() reads the CUDA events)
-        losses.clear()
-        dist.barrier()
-        with track_comm() as comm:
-            sched.step(*args, **kwargs)
-        out[name] = {"spans": tl.finish(), "loss": sum(float(v) for v in losses) / m if losses else None,
-                     "comm": comm.stats(),
+        steps = []
+        for k in range(repeats):
+            for st in stages:
+                st.zero_grad(set_to_none=True)
+            tl.finish().clear()                              # (on GPUs, finish() reads the CUDA events)
+            losses.clear()
+            dist.barrier()
+            with track_comm() as comm:
+                sched.step(*args, **kwargs)
+            steps.append(list(tl.finish()))
+            if k == 0:
+                first_comm = comm.stats()
+        out[name] = {"spans": steps[0], "steps": steps, "loss": sum(float(v) for v in losses) / m if losses else None,
+                     "comm": first_comm,
                      "grads": {st.full_names[k]: q.grad for st in stages for k, q in st.named_parameters()}}
     return out
 
