@@ -209,3 +209,19 @@ def test_function_touching_a_config_attribute_and_dist_travels(no_orphans):
         model = build_model("tiny")
         return model.config.d_model + dist.get_world_size()
     assert distlab.launch(f, 2) == [34, 34]
+
+
+def _setting():
+    import os
+    return os.environ.get("DISTLAB_PROBE_SETTING")
+
+
+def test_ranks_see_the_launchers_settings_of_now_not_the_fork_servers(monkeypatch):
+    """The fork server keeps the environment it started with: a $DISTLAB_* setting changed later (by a test's
+    monkeypatch, a notebook's %env) must reach the next launch's ranks, and one removed must be gone."""
+    monkeypatch.setenv("DISTLAB_PROBE_SETTING", "first")
+    assert distlab.launch(_setting, 1) == ["first"]
+    monkeypatch.setenv("DISTLAB_PROBE_SETTING", "second")
+    assert distlab.launch(_setting, 1) == ["second"]
+    monkeypatch.delenv("DISTLAB_PROBE_SETTING")
+    assert distlab.launch(_setting, 1) == [None]

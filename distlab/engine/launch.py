@@ -467,6 +467,13 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
     return results
 
 
+def _settings() -> dict[str, str]:
+    """distlab's settings ($DISTLAB_*) as they are now: each rank applies them. Ranks fork from a fork
+    server that keeps the environment it started with, and a setting changed since (a test's, a notebook's
+    `%env`) must reach the ranks of this launch, not only those of the first."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DISTLAB_")}
+
+
 def audit_requested() -> bool:
     """True when $DISTLAB_DEVICE_AUDIT asks every launch to audit device placement."""
     return os.environ.get("DISTLAB_DEVICE_AUDIT", "0") not in ("", "0", "false", "False")
@@ -523,7 +530,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_runtime.worker_main, name=f"distlab-rank{r}",
                             args=(r, world_size, backend, store.port, payload, workdir,
-                                  timeout, send_end, audit, stall, strict))
+                                  timeout, send_end, audit, stall, strict, _settings()))
             with _without_main_module():
                 p.start()
             send_end.close()  # the child holds the only write end: EOF means it died

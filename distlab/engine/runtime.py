@@ -200,7 +200,7 @@ def group_timeout_s(backend_name: str, timeout_s: float, stall_s: float | None) 
 
 def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
                 payload: bytes, workdir: str, timeout_s: float, notify: Any, audit: bool = False,
-                stall_s: float | None = None, strict: bool = False) -> None:
+                stall_s: float | None = None, strict: bool = False, settings: dict[str, str] | None = None) -> None:
     """Entry point of one rank started by `distlab.launch`.
 
     Writes `rank{r}.ok` (the pickled return value) or `rank{r}.err` (type,
@@ -217,6 +217,10 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
     global _NOTE_PATH
     _NOTE_PATH = os.path.join(workdir, f"rank{rank_}.note")
     quiet_library_warnings()
+    if settings is not None:      # the launcher's $DISTLAB_* now, not the fork server's from its start
+        for key in [k for k in os.environ if k.startswith("DISTLAB_") and k not in settings]:
+            del os.environ[key]
+        os.environ.update(settings)
     os.environ.update(RANK=str(rank_), WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
                       LOCAL_WORLD_SIZE=str(world_size_), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     outcome: dict[str, Any]
