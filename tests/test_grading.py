@@ -116,22 +116,28 @@ def test_results_are_checked_in_a_child_with_a_deadline():
         "its outputs could not be checked within 0.001 s"]
 
 
-def test_secret_inputs_differ_from_the_package_s_and_reach_one_rank_only(tmp_path, monkeypatch):
+def test_secret_inputs_differ_from_the_package_s_and_reach_one_rank_only(tmp_path):
     from distlab.checks import ch01
     from distlab.grading import secret
-    inputs = secret.draw("01_collectives")
-    with secret.patched("01_collectives", inputs):
-        drawn = ch01.data(1, 7, torch.float32)
-    assert torch.equal(drawn, inputs[1]["7:float32"]) and not torch.equal(drawn, ch01.data(1, 7, torch.float32))
+    task = ch01.TASKS["all_reduce"]
+    case = task.cases()[1]                                 # 3 ranks
+    inputs = secret.draw(task, case)
+    assert len(inputs) == 3 and inputs[1]["7"].shape == (7,)
+    assert not torch.equal(inputs[1]["7"].float(), ch01.data(1, 7, torch.float32))
+    assert not torch.equal(secret.draw(task, case)[1]["1001"], inputs[1]["1001"])    # a fresh seed each time
+    ref = task.reference(case, inputs=inputs)              # computed from the drawn inputs, not the package's
+    want = sum(x["1001"] for x in inputs).to(torch.bfloat16)
+    assert torch.equal(ref[1001, "torch.bfloat16", "sum"], want)
     fd = secret.offer(str(tmp_path / "inputs1"), secret.blob(inputs[1]))
-    got = secret.receive(str(tmp_path / "inputs1"))
+    got = secret.load(secret.receive(str(tmp_path / "inputs1")))
     os.close(fd)
     assert not (tmp_path / "inputs1").exists()            # unlinked by its reader: no other rank can open it
-    monkeypatch.setattr(ch01, "data", ch01.data)          # restored after the test
-    secret.install("01_collectives", got, 1)
-    assert torch.equal(ch01.data(1, 1001, torch.bfloat16), inputs[1]["1001:bfloat16"])
-    with pytest.raises(Exception, match="rank 1 asked for rank 0's inputs"):
-        ch01.data(0, 7, torch.float32)
+    assert got.keys() == inputs[1].keys() and all(torch.equal(got[k], inputs[1][k]) for k in got)
+    big = secret.blob({"w": torch.zeros(200_000)})        # 800 kB: past a FIFO's default 64 KiB
+    fd = secret.offer(str(tmp_path / "big"), big)
+    assert secret.receive(str(tmp_path / "big")) == big
+    os.close(fd)
+    assert secret.draw(ch01.TASKS["all_reduce"].__class__.__mro__[1](), case) is None    # Task's default: fixed
 
 
 # ---------------------------------------------------------------- the seccomp filter, in a child process

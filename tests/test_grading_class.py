@@ -346,8 +346,10 @@ def test_a_fork_bomb_a_memory_hog_and_gc_through_a_library_score_zero(graded):
 def test_inputs_come_from_a_secret_seed_so_no_rank_can_rebuild_another_s(graded):
     # right in the notebook, where inputs are seeded by the package; under grading a rank holds only its own
     r = graded.kernel["predicted_inputs"]
-    assert r.score == 0 and all(re.search(r"raised CheckFailed: rank \d asked for rank \d's inputs: under grading "
-                                          r"each rank has only its own", v.reason) for v in r.verdicts), r.verdicts
+    values, traffic = r.verdicts
+    assert r.score == 0, r.verdicts
+    assert re.search(r"rank \d, \d+ elements, \w+, (sum|max): max \|your result - reference\|", values.reason), values.reason
+    assert "sent 0 bytes" in traffic.reason, traffic.reason     # metered in the judged calls themselves
 
 
 @needs_bwrap
@@ -377,6 +379,17 @@ def test_a_lab_s_library_shortcut_scores_zero_named_or_built_at_run_time(graded)
                               "it yourself"), named.flags
     assert built.flags == ["naive: used DistributedDataParallel: this lab asks you to write it yourself "
                            "(answer cell c04 line 8) [ranks 0, 1]"], built.flags
+
+
+@needs_bwrap
+def test_lab2_inputs_rebuilt_from_the_package_s_seeds_score_zero(graded):
+    # rank 0's starting weights and the full batches rebuilt from the package, nothing communicated: right values
+    # in the notebook; under grading each rank holds its own shard and its own starting weights, drawn secretly
+    r = graded.shortcut["predicted_inputs"]
+    assert r.score == 0 and not r.flags, (r.verdicts, r.flags)
+    broadcast, frozen, tied, traffic = r.verdicts
+    assert "rank 1's" in broadcast.reason and "rank 0's" in frozen.reason, r.verdicts
+    assert "0 all-reduces" in traffic.reason, traffic.reason
 
 
 # ---------------------------------------------------------------- every lab

@@ -2,13 +2,16 @@
 
 Each task runs the learner's function on 2, 3 and 4 ranks, for sizes N does
 not divide (1, 7 and 1001 elements: 1 leaves chunks empty), four dtypes and
-the SUM and MAX reductions, and once more under the traffic meter on a
-message of S = 4096 N bytes. Two verdict lines per world size:
+the SUM and MAX reductions, each call under the traffic meter, so values and
+traffic come from the same calls. Two verdict lines per world size:
 
 - values: every rank's result equals the reduction of what every rank
-  started with. The expected result is computed here, from the same seeded
-  inputs, not on the ranks;
-- traffic: only send/recv, and exactly the bytes the algorithm needs.
+  started with. The expected result is computed here, from the same inputs,
+  not on the ranks (in the notebook the inputs are seeded by the package;
+  `distlab grade` draws them from a secret seed, `inputs`, and each rank
+  receives only its own);
+- traffic: only send/recv, and in every call exactly the bytes the algorithm
+  needs for that call's chunks (`expected_sent`): (N-1)/N x S for even chunks.
 """
 from __future__ import annotations
 
@@ -41,13 +44,46 @@ WORLD_SIZES = (2, 3, 4)
 SIZES = (1, 7, 1001)          # no N in 2..4 divides 7 or 1001; 1 element leaves chunks empty
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-METERED = 1024                # elements per rank in the metered call: S = 4 * 1024 * N bytes
+
+
+def _draw(numel: int, g: torch.Generator) -> torch.Tensor:
+    # small integers, so every summation order gives the same bits in every dtype
+    return torch.randint(-50, 50, (numel,), generator=g)
 
 
 def data(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """What rank `rank` starts with (CPU): small integers, so every summation order gives the same bits."""
-    g = torch.Generator().manual_seed(1000 * rank + numel)
-    return torch.randint(-50, 50, (numel,), generator=g).to(dtype)
+    """What rank `rank` starts with in the notebook (CPU): seeded by rank and size."""
+    return _draw(numel, torch.Generator().manual_seed(1000 * rank + numel)).to(dtype)
+
+
+def _start(rank: int, numel: int, dtype: torch.dtype, inputs: Any) -> torch.Tensor:
+    """Rank `rank`'s input: drawn by the grader (`inputs`: that rank's dict), else the notebook's `data`."""
+    return data(rank, numel, dtype) if inputs is None else inputs[str(numel)].to(dtype)
+
+
+def _sizes(numel: int, n: int) -> list[int]:
+    return [b - a for a, b in chunk_bounds(numel, n)]
+
+
+# Bytes rank r sends in one call on `numel` elements of `itemsize` bytes: the algorithm's, whatever the ring's
+# direction. Reduce-scatter: every chunk but its own (chunk r ends on rank r); all-gather: every chunk but the
+# one it receives last (r+1 or r-1 by direction); all-reduce: both; naive: N-1 whole tensors from rank 0.
+def _rs_sent(numel: int, n: int, r: int) -> set[int]:
+    return {numel - _sizes(numel, n)[r]}
+
+
+def _ag_sent(numel: int, n: int, r: int) -> set[int]:
+    sizes = _sizes(numel, n)
+    return {numel - sizes[(r + 1) % n], numel - sizes[(r - 1) % n]}
+
+
+def _ar_sent(numel: int, n: int, r: int) -> set[int]:
+    sizes = _sizes(numel, n)      # the reduce-scatter may leave any chunk on a rank: every pair of chunks kept
+    return {2 * numel - a - b for a in sizes for b in sizes}
+
+
+def _naive_sent(numel: int, n: int, r: int) -> set[int]:
+    return {(n - 1) * numel if r == 0 else numel}
 
 
 def _cases(kind: str) -> list[tuple[int, torch.dtype, str]]:
@@ -69,38 +105,41 @@ class RingTask(Task):
         return [Case(n, (f"{self.kind}, {n} ranks, values", f"{self.kind}, {n} ranks, traffic"))
                 for n in WORLD_SIZES]
 
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's starting values, one tensor per size (cast to each dtype on the rank)."""
+        return [{str(numel): _draw(numel, rng) for numel in SIZES} for _ in range(case.world_size)]
+
     # -- on every rank, with the learner's function ------------------------------------------------
-    def exercise(self, case: Case, fn: Any) -> dict:
+    def exercise(self, case: Case, fn: Any, inputs: dict | None = None) -> dict:
         r, n, dev = distlab.rank(), distlab.world_size(), distlab.device()
-        results = {}
+        results, comm = {}, {}
         for numel, dtype, op in _cases(self.kind):
             distlab.engine.runtime.progress(f"{numel} elements, {str(dtype).replace('torch.', '')}, {op}")
-            x = data(r, numel, dtype).to(dev)
+            x = _start(r, numel, dtype, inputs).to(dev)
             if self.kind == "all_gather":
                 a, b = chunk_bounds(numel, n)[r]
                 mine = torch.full_like(x, 99)     # only my chunk is valid on entry
                 mine[a:b] = x[a:b]
-                fn(mine)
+                with track_comm() as meter:
+                    fn(mine)
             else:
                 mine = x.clone()
-                fn(mine, OPS[op])
+                with track_comm() as meter:
+                    fn(mine, OPS[op])
             results[numel, str(dtype), op] = mine
-        distlab.engine.runtime.progress(f"the metered call ({n * METERED} float32 elements)")
-        x = torch.ones(n * METERED, device=dev)
-        with track_comm() as meter:
-            fn(x) if self.kind == "all_gather" else fn(x, dist.ReduceOp.SUM)
-        return {"results": results, "comm": meter.stats()}
+            comm[numel, str(dtype), op] = meter.stats()
+        return {"results": results, "comm": comm}
 
     # -- here, without learner code ----------------------------------------------------------------
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         n, out = case.world_size, {}
         for numel, dtype, op in _cases(self.kind):
-            inputs = [data(r, numel, dtype) for r in range(n)]
+            start = [_start(r, numel, dtype, None if inputs is None else inputs[r]) for r in range(n)]
             if self.kind == "all_gather":
-                out[numel, str(dtype), op] = torch.cat([inputs[s][a:b] for s, (a, b) in
+                out[numel, str(dtype), op] = torch.cat([start[s][a:b] for s, (a, b) in
                                                         enumerate(chunk_bounds(numel, n))])
             else:
-                stacked = torch.stack(inputs)
+                stacked = torch.stack(start)
                 out[numel, str(dtype), op] = stacked.sum(0).to(dtype) if op == "sum" else stacked.max(0).values
         return out
 
@@ -123,26 +162,32 @@ class RingTask(Task):
             return f"right on every rank in {len(reference)} cases"
 
         def traffic() -> str:
-            S = 4 * n * METERED
             for r, out in enumerate(outputs):
-                stats = out["comm"]
-                other = sorted(set(stats.calls) - {"send", "recv"})
-                if other:
-                    raise CheckFailed(f"rank {r} called {', '.join(other)}: use only send/recv (isend/irecv)")
-                sent, want = stats.bytes.get("send", 0), self.expected_sent(S, n, r)
-                if sent != want:
-                    raise CheckFailed(f"rank {r} sent {sent} bytes of S={S}; expected {want} ({self.words})")
+                for key in reference:
+                    stats = out["comm"][key]
+                    numel, dtype, op = key
+                    where = f"rank {r}, {numel} elements, {dtype.replace('torch.', '')}, {op}"
+                    other = sorted(set(stats.calls) - {"send", "recv"})
+                    if other:
+                        raise CheckFailed(f"rank {r} called {', '.join(other)}: use only send/recv (isend/irecv)")
+                    itemsize = torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
+                    sent = stats.bytes.get("send", 0)
+                    want = sorted(e * itemsize for e in self.expected_sent(numel, n, r))
+                    if sent not in want:
+                        S = numel * itemsize
+                        raise CheckFailed(f"{where}: sent {sent} bytes of S={S}; expected "
+                                          f"{' or '.join(map(str, want))} ({self.words}, for chunks of "
+                                          f"{_sizes(numel, n)} elements)")
             return f"point-to-point only, sends {self.words}"
 
         return [judged(values_line, values), judged(traffic_line, traffic)]
 
 
 TASKS = {t.name: t for t in (
-    RingTask("reduce_scatter", "ring_reduce_scatter", lambda S, n, r: (n - 1) * S // n, "(N-1)/N x S"),
-    RingTask("all_gather", "ring_all_gather", lambda S, n, r: (n - 1) * S // n, "(N-1)/N x S"),
-    RingTask("all_reduce", "ring_all_reduce", lambda S, n, r: 2 * (n - 1) * S // n, "2(N-1)/N x S"),
-    RingTask("naive_all_reduce", "naive_all_reduce", lambda S, n, r: (n - 1) * S if r == 0 else S,
-             "(N-1) x S on rank 0, S elsewhere"),
+    RingTask("reduce_scatter", "ring_reduce_scatter", _rs_sent, "(N-1)/N x S"),
+    RingTask("all_gather", "ring_all_gather", _ag_sent, "(N-1)/N x S"),
+    RingTask("all_reduce", "ring_all_reduce", _ar_sent, "2(N-1)/N x S"),
+    RingTask("naive_all_reduce", "naive_all_reduce", _naive_sent, "(N-1) x S on rank 0, S elsewhere"),
 )}
 
 grade = grader(TASKS)

@@ -14,6 +14,12 @@ The verdict lines:
   parameter (naive, overlapped) or per bucket (bucketed), issued during
   backward where the rung overlaps, 2Ψ·4·(N-1)/N algorithmic bytes in all.
 
+In the notebook every input is seeded by the package. Under `distlab grade`
+the batches and every rank's different starting weights are drawn from a
+secret seed (`inputs`) and each rank receives only its own shard of each batch
+and its own starting weights: no rank can compute the full-batch result, or
+rank 0's weights, without communicating.
+
 `bucket_layout` looks at `BucketedDDP.__init__` alone: which parameters share
 a bucket, in which order, and where each gradient view sits in the flat buffer.
 """
@@ -28,7 +34,7 @@ import torch
 import distlab
 from distlab.checks.task import Case, Line, Task, grader, judged
 from distlab.checks.verdict import CheckFailed, compare, expect
-from distlab.course.data_parallel.reference import make_model, sgd, train_single, trainable
+from distlab.course.data_parallel.reference import make_model, one_thread, sgd, train_single, trainable
 from distlab.meters import track_comm
 from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
 from distlab.theory import comm_bytes_per_rank
@@ -56,6 +62,60 @@ def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def _seed(rng: torch.Generator) -> int:
+    return int(torch.randint(0, 2**40, (1,), generator=rng))     # synthetic_batch multiplies it by ~1e6
+
+
+def _weights(variant: str, rng: torch.Generator, prefix: str) -> dict[str, torch.Tensor]:
+    """A model's starting weights from a seed drawn from `rng` (the rank gets the tensors, never the seed)."""
+    return {f"{prefix}{k}": v for k, v in _named(make_model(variant, seed=_seed(rng), device="cpu")).items()}
+
+
+def _start_model(variant: str, r: int, inputs: dict | None, prefix: str) -> torch.nn.Module:
+    """Rank r's different starting model: seeded by the package in the notebook, drawn under grading."""
+    if inputs is None:
+        return make_model(variant, seed=SEED_OFFSET + r)
+    model = make_model(variant)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(inputs[prefix + k])
+    return model
+
+
+def _batch(step: int, r: int, n: int, inputs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's shard of step `step`'s batch: the package's in the notebook, drawn under grading."""
+    if inputs is None:
+        return split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
+    dev = distlab.device()
+    return inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev)
+
+
+def _drawn_batches(rng: torch.Generator, n: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's shards of STEPS batches from a drawn seed."""
+    seed, out = _seed(rng), [{} for _ in range(n)]
+    for step in range(STEPS):
+        full = synthetic_batch(step, BATCH, PRESETS["tiny"], seed=seed, device="cpu")
+        for r in range(n):
+            out[r][f"x{step}"], out[r][f"y{step}"] = split_batch(full, r, n)
+    return out
+
+
+def _full_batches(inputs: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.cat([i[f"x{s}"] for i in inputs]), torch.cat([i[f"y{s}"] for i in inputs])) for s in range(STEPS)]
+
+
+def _train_on(variant: str, batches: list) -> dict[str, torch.Tensor]:
+    """`train_single` on the given full batches (the drawn ones)."""
+    with one_thread():
+        model = make_model(variant, device="cpu")
+        opt = sgd(p for _, p in trainable(model))
+        for x, y in batches:
+            lm_loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {k: v.detach().float().cpu().clone() for k, v in model.named_parameters()}
+
+
 class WrapperTask(Task):
     """One rung: `NaiveDDP`, `OverlappedDDP` or `BucketedDDP`, trained end to end."""
 
@@ -73,13 +133,22 @@ class WrapperTask(Task):
                 Case(4, (f"{c}, 4 ranks, frozen weights", f"{c}, 4 ranks, tied weights",
                          f"{c}, 4 ranks: collectives and bytes"))]
 
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's shard of each step's batch and, on the broadcast case, its own
+        starting weights."""
+        out = _drawn_batches(rng, case.world_size)
+        if case.args.get("broadcast"):
+            for mine in out:
+                mine.update(_weights("plain", rng, "start."))
+        return out
+
     # -- on every rank, with the learner's class ---------------------------------------------------
-    def exercise(self, case: Case, Wrapper: Any) -> dict:
+    def exercise(self, case: Case, Wrapper: Any, inputs: dict | None = None) -> dict:
         r, n = distlab.rank(), distlab.world_size()
         out: dict = {}
         if case.args.get("broadcast"):
             distlab.engine.runtime.progress(f"{self.cls}({n} ranks): the broadcast at construction")
-            start = make_model("plain", seed=SEED_OFFSET + r)     # every rank starts different ...
+            start = _start_model("plain", r, inputs, "start.")     # every rank starts different ...
             Wrapper(start, **self.kwargs)                          # ... until the broadcast
             out["broadcast"] = _named(start)
         for variant in ("frozen", "tied"):
@@ -89,7 +158,7 @@ class WrapperTask(Task):
             opt = sgd(p for _, p in trainable(model))
             for step in range(STEPS):
                 distlab.engine.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights, step {step}")
-                x, y = split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
+                x, y = _batch(step, r, n, inputs)
                 metered = step == 0   # the meter costs Python time per op: one step is enough
                 with track_comm() if metered else nullcontext() as in_backward:
                     lm_loss(ddp, x, y).backward()
@@ -104,8 +173,16 @@ class WrapperTask(Task):
         return out
 
     # -- here, without learner code ----------------------------------------------------------------
-    def reference(self, case: Case) -> dict:
-        return _wrapper_reference()
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        if inputs is None:
+            return _wrapper_reference()
+        ref = dict(_wrapper_reference())
+        batches = _full_batches(inputs)
+        for variant in ("frozen", "tied"):
+            ref[variant] = _train_on(variant, batches)
+        if case.args.get("broadcast"):
+            ref["broadcast"] = {k.removeprefix("start."): v for k, v in inputs[0].items() if k.startswith("start.")}
+        return ref
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         n, lines = case.world_size, list(case.lines)
@@ -187,11 +264,16 @@ class BucketLayoutTask(Task):
                          "BucketedDDP.__init__: gradient views inside each bucket's flat buffer",
                          "BucketedDDP.__init__: starts from rank 0's weights"))]
 
-    def exercise(self, case: Case, Wrapper: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's own starting weights of both models."""
+        return [{**_weights("frozen", rng, "frozen."), **_weights("tied", rng, "tied.")}
+                for _ in range(case.world_size)]
+
+    def exercise(self, case: Case, Wrapper: Any, inputs: dict | None = None) -> dict:
         out: dict = {}
         for variant in ("frozen", "tied"):
             distlab.engine.runtime.progress(f"BucketedDDP.__init__, {distlab.world_size()} ranks, {variant} weights")
-            model = make_model(variant, seed=SEED_OFFSET + distlab.rank())
+            model = _start_model(variant, distlab.rank(), inputs, f"{variant}.")
             names = {id(p): k for k, p in model.named_parameters()}
             ddp = Wrapper(model, bucket_size_mb=BUCKET_MB)
             out[variant] = {
@@ -206,7 +288,7 @@ class BucketLayoutTask(Task):
             }
         return out
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         ref: dict = {}
         limit = BUCKET_MB * 2**20
         for variant in ("frozen", "tied"):
@@ -220,7 +302,9 @@ class BucketLayoutTask(Task):
                     group, size = [], 0
             if group:
                 buckets.append(group)
-            ref[variant] = {"buckets": buckets, "params": _named(make_model(variant, seed=SEED_OFFSET, device="cpu"))}
+            start = (_named(make_model(variant, seed=SEED_OFFSET, device="cpu")) if inputs is None else
+                     {k.removeprefix(f"{variant}."): v for k, v in inputs[0].items() if k.startswith(f"{variant}.")})
+            ref[variant] = {"buckets": buckets, "params": start}
         return ref
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:

@@ -14,6 +14,12 @@ says four things:
   verdict;
 - `reference(case)`: what correct raw outputs look like, computed *without*
   learner code (here, or by a launch of its own), cached per process;
+- optionally `inputs(case, rng)`: every rank's inputs (one dict of tensors per
+  rank) drawn from `rng`. The notebook never calls it: there the task builds
+  its fixed, seeded inputs itself. `distlab grade` draws them from a secret
+  seed, computes `reference(case, inputs=...)` from them in the grader and
+  gives each rank only its own (`exercise(case, *answers, inputs=mine)`), so
+  no rank can rebuild another rank's inputs from the package;
 - `judge(case, outputs, reference)`: pure; runs where verdicts are printed
   (the notebook's kernel, or the grader's own process), never on a rank.
 
@@ -97,12 +103,19 @@ class Task:
     def cases(self) -> list[Case]:
         raise NotImplementedError
 
-    def exercise(self, case: Case, *answers: Any) -> Any:
-        """On every rank, with the learner's objects: raw outputs for `judge`."""
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]] | None:
+        """Every rank's inputs for `case` drawn from `rng`, one dict of CPU tensors per rank (rank r gets
+        element r); None (the default): the task's inputs are fixed. Called by the grader only."""
+        return None
+
+    def exercise(self, case: Case, *answers: Any, inputs: dict[str, torch.Tensor] | None = None) -> Any:
+        """On every rank, with the learner's objects: raw outputs for `judge`. `inputs`: this rank's drawn
+        inputs under grading (None in the notebook: the task's fixed ones)."""
         raise NotImplementedError
 
-    def reference(self, case: Case) -> Any:
-        """Correct raw outputs, without learner code (None when `judge` needs none)."""
+    def reference(self, case: Case, inputs: list[dict[str, torch.Tensor]] | None = None) -> Any:
+        """Correct raw outputs, without learner code (None when `judge` needs none); `inputs`: every rank's
+        drawn inputs under grading (None: the fixed ones)."""
         return None
 
     def judge(self, case: Case, outputs: list[Any], reference: Any) -> list[Line]:

@@ -109,19 +109,15 @@ def _prepare(lab: str | Path, only: list[str] | None, *, first_case: bool) -> Sh
     the_lab = load_lab(lab).select(only)
     if first_case:
         the_lab.first_cases()
-    if secret.supported(the_lab.name):      # inputs drawn from a secret seed; references from them, here
-        inputs = secret.draw(the_lab.name)
-        with secret.patched(the_lab.name, inputs):
-            for graded in the_lab.graded:
-                cases = graded.task.cases()
-                for i in graded.cases:
-                    the_lab.references[graded.task.name, i] = graded.task.reference(cases[i])
-        the_lab.inputs = {r: secret.blob(x) for r, x in inputs.items()}
-        return the_lab
     for graded in the_lab.graded:
         cases = graded.task.cases()
         for i in graded.cases:
-            reference_of(graded.task, cases[i])
+            drawn = secret.draw(graded.task, cases[i])     # from a secret seed, or None: fixed inputs
+            if drawn is None:
+                reference_of(graded.task, cases[i])
+                continue
+            the_lab.references[graded.task.name, i] = graded.task.reference(cases[i], inputs=drawn)
+            the_lab.inputs[graded.task.name, i] = [secret.blob(x) for x in drawn]
     return the_lab
 
 
@@ -246,7 +242,8 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
     job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
            "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
            "cap_s": opts.case_cap_s, "backend": opts.backend,
-           "inputs": {str(r): base64.b64encode(b).decode() for r, b in lab.inputs.items()}}
+           "inputs": {f"{t}/{i}": [base64.b64encode(b).decode() for b in blobs]
+                      for (t, i), blobs in lab.inputs.items()}}
     if opts.keep:
         log = Path(opts.keep) / f"{Path(name).stem}.runner.log"
         log.parent.mkdir(parents=True, exist_ok=True)

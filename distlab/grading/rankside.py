@@ -126,8 +126,9 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
              stream_paths: list[str], timeout_s: float, input_paths: list[str] | None = None) -> bytes:
     """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
     `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`)."""
+    mine = None
     if input_paths:     # first: every rank has read and unlinked its own before any rank runs learner code
-        secret.install(lab, secret.receive(input_paths[dist.get_rank()]), dist.get_rank())
+        mine = secret.load(secret.receive(input_paths[dist.get_rank()]))
     from distlab.checks import lab_module
     from distlab.meters.comm import CommStats, _CommMeter  # noqa: F401 - imported before learner code
 
@@ -198,6 +199,6 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
             why = f" (your answer cells raised {'; '.join(errors)})" if errors else ""
             raise GradingError(f"your notebook does not define {name}{why}")
         answers.append(ns[name])
-    outputs = task.exercise(case, *answers)
+    outputs = task.exercise(case, *answers) if mine is None else task.exercise(case, *answers, inputs=mine)
     audit("distlab.checkpoint", "while the check ran")
     return finish(outputs)

@@ -150,10 +150,10 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
     offered: list[int] = []
     try:
-        inputs = job.get("inputs") or {}
+        inputs = (job.get("inputs") or {}).get(f"{task.name}/{index}")
         paths = [os.path.join(folder, f"inputs{r}") for r in range(case.world_size)] if inputs else None
         for r, path in enumerate(paths or []):     # each rank reads (and unlinks) its own before its group is up
-            offered.append(offer(path, base64.b64decode(inputs[str(r)])))
+            offered.append(offer(path, base64.b64decode(inputs[r])))
         outputs = launch(on_rank, case.world_size, job["lab"], task.name, index, job["cells"], job["names"][task.name],
                          streams.paths, job["cap_s"], backend=job["backend"], stall=job["stall_s"],
                          timeout=job["cap_s"], loads=plain_loads, input_paths=paths)

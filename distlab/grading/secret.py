@@ -1,85 +1,48 @@
 """Inputs the learner cannot predict: each class run draws a lab's inputs from a secret seed, here.
 
-In the notebook a check's inputs come from the package (lab 01: `ch01.data(rank, numel, dtype)`,
+In the notebook a check builds its inputs from the package (lab 01: `ch01.data(rank, numel, dtype)`,
 seeded by rank and size), so a rank could rebuild every other rank's inputs and compute a
-collective's result without communicating. When grading, `draw(lab)` draws every rank's inputs
-from `secrets` in the grader's process; the references are computed from them here
-(`patched`), and each rank receives only its own inputs, as tensors (safetensors bytes through a
-FIFO its trusted code opens, unlinks and reads before its process group is up, so before any
-learner code runs: `receive`, then `install`). The seed never leaves the grader; a rank that asks
-for another rank's inputs gets an error.
-
-A lab takes part when `ADAPTERS` names the function its check module builds inputs with
-(today lab 01; the other labs' inputs are models and batches built inside their checks, see
-issue 28's report for the change they need).
+collective's result without communicating. A task that declares `inputs(case, rng)`
+(`distlab.checks.task.Task`) has them drawn here instead: `draw` calls it with a generator seeded
+from `secrets`, in the grader's process; the grader computes the case's reference from all ranks'
+inputs (`reference(case, inputs=...)`), and each rank receives only its own, as tensors
+(safetensors bytes through a FIFO its trusted code opens, unlinks and reads before its process
+group is up, so before any learner code runs: `receive`, then `load`), which the task's
+`exercise(case, *answers, inputs=mine)` uses. The seed never leaves the grader.
 """
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import os
 import secrets
 import struct
-from typing import Any, Iterator
+from typing import Any
 
-# lab -> (the check module's input function, the ranks and the (numel, dtype) pairs it is called with)
-ADAPTERS = {"01_collectives": "data"}
-MAX_RANKS = 4
-
-
-def supported(lab: str) -> bool:
-    return lab in ADAPTERS
+MAX_BYTES = 1 << 20        # one rank's inputs for one case: a FIFO's largest buffer (Linux's pipe-max-size)
+_F_SETPIPE_SZ = 1031       # fcntl.F_SETPIPE_SZ (Python >= 3.10 names it; Linux's value)
 
 
-def _key(numel: int, dtype: Any) -> str:
-    return f"{numel}:{str(dtype).removeprefix('torch.')}"
-
-
-def draw(lab: str) -> dict[int, dict[str, Any]]:
-    """Every rank's inputs, from a fresh secret seed: {rank: {"numel:dtype": tensor}}."""
+def draw(task: Any, case: Any) -> list[dict[str, Any]] | None:
+    """Every rank's inputs for one case from a fresh secret seed (None: the task's inputs are fixed)."""
     import torch
-
-    from distlab.checks import ch01
-    g = torch.Generator().manual_seed(secrets.randbits(63))
-    out: dict[int, dict[str, Any]] = {}
-    for r in range(MAX_RANKS):
-        out[r] = {}
-        for numel in ch01.SIZES:
-            values = torch.randint(-50, 50, (numel,), generator=g)
-            for dtype in ch01.DTYPES:
-                out[r][_key(numel, dtype)] = values.to(dtype)
-    return out
-
-
-def _lookup(inputs: dict[int, dict[str, Any]], mine: int | None) -> Any:
-    from distlab.checks.verdict import CheckFailed
-
-    def data(rank: int, numel: int, dtype: Any) -> Any:
-        if mine is not None and rank != mine:
-            raise CheckFailed(f"rank {mine} asked for rank {rank}'s inputs: under grading each rank has only its own")
-        try:
-            return inputs[rank][_key(numel, dtype)].clone()
-        except KeyError:
-            raise CheckFailed(f"no graded input for rank {rank}, {numel} elements, {dtype}") from None
-    return data
-
-
-@contextlib.contextmanager
-def patched(lab: str, inputs: dict[int, dict[str, Any]]) -> Iterator[None]:
-    """In the grader: the check module builds its inputs (for every rank) from `inputs` (for references)."""
-    from distlab.checks import lab_module
-    module, name = lab_module(lab), ADAPTERS[lab]
-    original = getattr(module, name)
-    setattr(module, name, _lookup(inputs, None))
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
+    drawn = task.inputs(case, torch.Generator().manual_seed(secrets.randbits(63)))
+    if drawn is None:
+        return None
+    if len(drawn) != case.world_size or not all(isinstance(d, dict) for d in drawn):
+        raise ValueError(f"{task.name}: inputs() must return one dict per rank ({case.world_size})")
+    return drawn
 
 
 def blob(inputs: dict[str, Any]) -> bytes:
     """One rank's inputs as safetensors bytes."""
     from safetensors.torch import save
-    return save({k: v.contiguous() for k, v in inputs.items()})
+    return save({k: v.detach().cpu().contiguous() for k, v in inputs.items()})
+
+
+def load(data: bytes) -> dict[str, Any]:
+    """On the rank: its inputs back as tensors."""
+    from safetensors.torch import load as _load
+    return _load(data)
 
 
 # ---- delivery: runner -> rank ----------------------------------------------------------------------------
@@ -90,10 +53,16 @@ def offer(path: str, data: bytes) -> int:
     os.mkfifo(path, 0o600)
     fd = os.open(path, os.O_RDWR)
     framed = struct.pack("<Q", len(data)) + data
-    if len(framed) > 60_000:      # a FIFO holds 64 KiB without a reader; a check's inputs are far smaller
+    try:
+        if len(framed) > 60_000:      # a FIFO holds 64 KiB unless asked for more (up to pipe-max-size)
+            if len(framed) > MAX_BYTES or fcntl.fcntl(fd, _F_SETPIPE_SZ, MAX_BYTES) < len(framed):
+                raise ValueError(f"secret inputs of {len(framed)} bytes: larger than a FIFO's buffer")
+        view = memoryview(framed)
+        while view:                   # never blocks: the buffer holds it all
+            view = view[os.write(fd, view):]
+    except BaseException:
         os.close(fd)
-        raise ValueError("secret inputs larger than a FIFO's buffer")
-    os.write(fd, framed)
+        raise
     return fd
 
 
@@ -115,11 +84,3 @@ def receive(path: str) -> bytes:
         return data
     finally:
         os.close(fd)
-
-
-def install(lab: str, data: bytes, rank: int) -> None:
-    """On the rank: the check module builds this rank's inputs from `data`; another rank's raise."""
-    from safetensors.torch import load
-
-    from distlab.checks import lab_module
-    setattr(lab_module(lab), ADAPTERS[lab], _lookup({rank: load(data)}, rank))
