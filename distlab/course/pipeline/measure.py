@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from distlab.course.models import PRESETS, build_model, lm_loss, num_params, synthetic_batch
 from distlab.course.offload import host_device_split, track_transfers
-from distlab.course.pipeline.stages import (FixedCost, Stage, activation_bytes, activation_dtype, activation_shape,
+from distlab.course.pipeline.stages import (FixedCost, Stage, _rows, activation_bytes, activation_dtype,
+                                            activation_shape,
                                             backward_transient_bytes,
                                             bubble, build_stage, busy_per_microbatch, stage_loss, step_window)
 from distlab.engine import runtime as rt
@@ -244,6 +245,23 @@ def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: in
                      "comm": first_comm,
                      "grads": {st.full_names[k]: q.grad for st in stages for k, q in st.named_parameters()}}
     return out
+
+
+def overheads_of(per_rank: Sequence[Mapping[str, Any]], name: str) -> dict[str, float]:
+    """`hop_s`'s two terms for PyTorch's schedule `name`, read off a `torch_schedules` run on 2 ranks with
+    m = 1 (one chunk each): per measured step, rank 0 runs F, rank 1 F then its whole backward, rank 0
+    its backward. `gap`: rank 1's time between its F and its backward (PyTorch's bookkeeping between two
+    actions, the loss included); `hop`: what each of the two messages adds beyond that,
+    (window - the four spans - gap) / 2. Medians over the steps. Measured apart from the runs they predict."""
+    hops, gaps = [], []
+    for steps in zip(*(rank[name]["steps"] for rank in per_rank)):
+        rows = [sorted(_rows(s), key=lambda x: x["start"]) for s in steps]
+        window = max(r[-1]["end"] for r in rows) - min(r[0]["start"] for r in rows)
+        busy = sum(x["end"] - x["start"] for r in rows for x in r)
+        gap = rows[-1][1]["start"] - rows[-1][0]["end"]
+        gaps.append(gap)
+        hops.append((window - busy - gap) / (2 * (len(rows) - 1)))
+    return {"hop": statistics.median(hops), "gap": statistics.median(gaps)}
 
 
 def traced_pipeline(m: int, micro: int = 2) -> dict[str, Any]:
