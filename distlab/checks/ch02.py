@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
+                                 grader, judged, load_weights, weights_of)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.course.data_parallel.reference import make_model, one_thread, sgd, train_single, trainable
 from distlab.meters import track_comm
@@ -62,24 +63,15 @@ def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _seed(rng: torch.Generator) -> int:
-    return int(torch.randint(0, 2**40, (1,), generator=rng))     # synthetic_batch multiplies it by ~1e6
-
-
-def _weights(variant: str, rng: torch.Generator, prefix: str) -> dict[str, torch.Tensor]:
-    """A model's starting weights from a seed drawn from `rng` (the rank gets the tensors, never the seed)."""
-    return {f"{prefix}{k}": v for k, v in _named(make_model(variant, seed=_seed(rng), device="cpu")).items()}
-
-
 def _start_model(variant: str, r: int, inputs: dict | None, prefix: str) -> torch.nn.Module:
     """Rank r's different starting model: seeded by the package in the notebook, drawn under grading."""
     if inputs is None:
         return make_model(variant, seed=SEED_OFFSET + r)
-    model = make_model(variant)
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(inputs[prefix + k])
-    return model
+    return load_weights(make_model(variant), inputs, prefix)
+
+
+def _weights(variant: str, rng: torch.Generator, prefix: str) -> dict[str, torch.Tensor]:
+    return drawn_weights(make_model(variant, seed=draw_seed(rng), device="cpu"), prefix)
 
 
 def _batch(step: int, r: int, n: int, inputs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,20 +80,6 @@ def _batch(step: int, r: int, n: int, inputs: dict | None) -> tuple[torch.Tensor
         return split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
     dev = distlab.device()
     return inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev)
-
-
-def _drawn_batches(rng: torch.Generator, n: int) -> list[dict[str, torch.Tensor]]:
-    """Every rank's shards of STEPS batches from a drawn seed."""
-    seed, out = _seed(rng), [{} for _ in range(n)]
-    for step in range(STEPS):
-        full = synthetic_batch(step, BATCH, PRESETS["tiny"], seed=seed, device="cpu")
-        for r in range(n):
-            out[r][f"x{step}"], out[r][f"y{step}"] = split_batch(full, r, n)
-    return out
-
-
-def _full_batches(inputs: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.cat([i[f"x{s}"] for i in inputs]), torch.cat([i[f"y{s}"] for i in inputs])) for s in range(STEPS)]
 
 
 def _train_on(variant: str, batches: list) -> dict[str, torch.Tensor]:
@@ -136,7 +114,7 @@ class WrapperTask(Task):
     def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
         """Under grading: every rank's shard of each step's batch and, on the broadcast case, its own
         starting weights."""
-        out = _drawn_batches(rng, case.world_size)
+        out = drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
         if case.args.get("broadcast"):
             for mine in out:
                 mine.update(_weights("plain", rng, "start."))
@@ -177,11 +155,11 @@ class WrapperTask(Task):
         if inputs is None:
             return _wrapper_reference()
         ref = dict(_wrapper_reference())
-        batches = _full_batches(inputs)
+        batches = full_batches(inputs, STEPS)
         for variant in ("frozen", "tied"):
             ref[variant] = _train_on(variant, batches)
         if case.args.get("broadcast"):
-            ref["broadcast"] = {k.removeprefix("start."): v for k, v in inputs[0].items() if k.startswith("start.")}
+            ref["broadcast"] = weights_of(inputs[0], "start.")
         return ref
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
@@ -303,7 +281,7 @@ class BucketLayoutTask(Task):
             if group:
                 buckets.append(group)
             start = (_named(make_model(variant, seed=SEED_OFFSET, device="cpu")) if inputs is None else
-                     {k.removeprefix(f"{variant}."): v for k, v in inputs[0].items() if k.startswith(f"{variant}.")})
+                     weights_of(inputs[0], f"{variant}."))
             ref[variant] = {"buckets": buckets, "params": start}
         return ref
 

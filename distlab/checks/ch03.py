@@ -19,7 +19,10 @@ The tasks follow the lab's steps:
   shard only; one step sends 2Ψ·b·(N-1)/N algorithmic bytes in reduce-scatters
   and all-gathers, nothing else.
 
-Every reference is computed here, on the CPU, without learner code.
+Every reference is computed here, on the CPU, without learner code. In the
+notebook the batches and every rank's different starting weights are seeded by
+the package; under `distlab grade` they are drawn from a secret seed (each
+task's `inputs`) and each rank receives only its own shard and its own weights.
 """
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
+                                 grader, judged, load_weights, weights_of)
 from distlab.checks.verdict import compare, expect
-from distlab.course.data_parallel.reference import full_batch_gradient, make_model, train_single, trainable
+from distlab.course.data_parallel.reference import full_batch_gradient, make_model, one_thread, train_single, trainable
 from distlab.meters import model_state, track_comm
 from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
 from distlab.engine.precision import MixedPrecisionAdam
@@ -109,6 +113,35 @@ def _traffic(outputs: list, kinds: dict[str, int], key: Any) -> str:
     return " + ".join(k.replace("_", "-") for k in kinds) + " only, (N-1)/N x S bytes each"
 
 
+def _batch(step: int, r: int, n: int, inputs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's shard of step `step`'s batch: the package's in the notebook, drawn under grading."""
+    if inputs is None:
+        return split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
+    dev = distlab.device()
+    return inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev)
+
+
+def _full_gradient(variant: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`full_batch_gradient` on a given (drawn) batch."""
+    with one_thread():
+        model = make_model(variant, device="cpu")
+        lm_loss(model, x, y).backward()
+    return torch.cat([p.grad.reshape(-1) for _, p in trainable(model)])
+
+
+def _train_on(variant: str, optimizer: Any, dtype: torch.dtype, batches: list) -> dict[str, torch.Tensor]:
+    """`train_single` on given (drawn) whole batches, on this rank's device."""
+    dev = distlab.device()
+    with one_thread():
+        model = make_model(variant, dtype=dtype, device=dev)
+        opt = optimizer([p for _, p in trainable(model)])
+        for x, y in batches:
+            lm_loss(model, x.to(dev), y.to(dev)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {k: v.detach().float().cpu().clone() for k, v in model.named_parameters()}
+
+
 class InitTask(Task):
     name, answers = "init", ("ShardedOptimizer",)
     hang_hint = HANG_HINT
@@ -119,12 +152,19 @@ class InitTask(Task):
                          f"ShardedOptimizer.__init__, {n} ranks: the inner optimizer holds this rank's shard only"))
                 for n in (2, 3)]
 
-    def exercise(self, case: Case, Opt: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's own starting weights of both models."""
+        return [{k: v for variant, dtype in LAYOUT_DTYPES.items()
+                 for k, v in drawn_weights(make_model(variant, dtype=dtype, seed=draw_seed(rng), device="cpu"),
+                                           f"{variant}.").items()} for _ in range(case.world_size)]
+
+    def exercise(self, case: Case, Opt: Any, inputs: dict | None = None) -> dict:
         out: dict = {}
         for variant, dtype in LAYOUT_DTYPES.items():
             distlab.engine.runtime.progress(f"ShardedOptimizer.__init__, {distlab.world_size()} ranks, {variant} weights, "
                                      f"{str(dtype).replace('torch.', '')}")
-            model = make_model(variant, dtype=dtype, seed=SEED_OFFSET + distlab.rank())
+            model = (make_model(variant, dtype=dtype, seed=SEED_OFFSET + distlab.rank()) if inputs is None
+                     else load_weights(make_model(variant, dtype=dtype), inputs, f"{variant}."))
             opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
             fp, fg = opt.flat_param, opt.flat_grad
             out[variant] = {
@@ -139,10 +179,12 @@ class InitTask(Task):
             }
         return out
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         ref = {}
         for v, d in LAYOUT_DTYPES.items():   # frozen parameters are not the optimizer's: only trainable ones
             model = make_model(v, dtype=d, seed=SEED_OFFSET, device="cpu")
+            if inputs is not None:           # rank 0's drawn weights
+                load_weights(model, inputs[0], f"{v}.")
             ref[v] = (_psi(v), {k: p.detach().clone() for k, p in trainable(model)})
         return ref
 
@@ -214,14 +256,18 @@ class ReduceScatterTask(Task):
         return [Case(n, (f"_reduce_scatter_grad, {n} ranks, values", f"_reduce_scatter_grad, {n} ranks, traffic"))
                 for n in (2, 3)]
 
-    def exercise(self, case: Case, Opt: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's shard of the batch."""
+        return drawn_batch_shards(rng, case.world_size, 1, BATCH)
+
+    def exercise(self, case: Case, Opt: Any, inputs: dict | None = None) -> dict:
         r, n = distlab.rank(), distlab.world_size()
         out: dict = {}
         for variant in ("frozen", "tied"):
             distlab.engine.runtime.progress(f"_reduce_scatter_grad, {n} ranks, {variant} weights")
             model = make_model(variant)
             opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
-            x, y = split_batch(synthetic_batch(0, BATCH, PRESETS["tiny"]), r, n)
+            x, y = _batch(0, r, n, inputs)
             lm_loss(model, x, y).backward()
             with track_comm() as comm:
                 g = opt._reduce_scatter_grad()
@@ -229,10 +275,11 @@ class ReduceScatterTask(Task):
             out[variant, "comm"] = comm.stats()
         return out
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         n, ref = case.world_size, {}
         for variant in ("frozen", "tied"):
-            flat = full_batch_gradient(variant, batch_size=BATCH)
+            flat = (full_batch_gradient(variant, batch_size=BATCH) if inputs is None
+                    else _full_gradient(variant, *full_batches(inputs, 1)[0]))
             k = _k(flat.numel(), n)
             ref[variant] = list(torch.nn.functional.pad(flat, (0, k * n - flat.numel())).split(k))
             ref[variant, "bytes"] = collective_bytes_sent("reduce_scatter", 4 * k * n, n)
@@ -322,7 +369,11 @@ class StepTask(Task):
                      + (f"ShardedOptimizer, {n} ranks: collectives and bytes",))
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, Opt: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's shard of each step's batch."""
+        return drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
+
+    def exercise(self, case: Case, Opt: Any, inputs: dict | None = None) -> dict:
         r, n = distlab.rank(), distlab.world_size()
         out: dict = {}
         for recipe, (opt_class, kw, dtype) in RECIPES.items():
@@ -331,7 +382,7 @@ class StepTask(Task):
                 opt = Opt(model.parameters(), opt_class, **kw)
                 for step in range(STEPS):
                     distlab.engine.runtime.progress(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights, step {step}")
-                    x, y = split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
+                    x, y = _batch(step, r, n, inputs)
                     with track_comm() if step == 0 else nullcontext() as comm:  # backward and step() together
                         lm_loss(model, x, y).backward()
                         opt.step()
@@ -343,8 +394,11 @@ class StepTask(Task):
                 out[recipe, variant] = {k: v.detach().float().clone() for k, v in model.named_parameters()}
         return out
 
-    def reference(self, case: Case) -> dict:
-        return _step_reference()
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        if inputs is None:
+            return _step_reference()
+        from distlab.engine.launch import launch
+        return launch(_step_reference_on_rank, 1, full_batches(inputs, STEPS))[0]
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         n, lines = case.world_size, list(case.lines)
@@ -369,12 +423,16 @@ def _step_reference() -> dict:
     return launch(_step_reference_on_rank, 1)[0]
 
 
-def _step_reference_on_rank() -> dict:
+def _step_reference_on_rank(batches: list | None = None) -> dict:
+    """`batches`: each step's whole batch (drawn under grading), else the package's."""
     ref: dict = {}
     for recipe, (opt_class, kw, dtype) in RECIPES.items():
         for variant in ("frozen", "tied"):
-            ref[recipe, variant] = train_single(variant, functools.partial(opt_class, **kw), steps=STEPS,
-                                                batch_size=BATCH, dtype=dtype, device=distlab.device())
+            if batches is None:
+                ref[recipe, variant] = train_single(variant, functools.partial(opt_class, **kw), steps=STEPS,
+                                                    batch_size=BATCH, dtype=dtype, device=distlab.device())
+            else:
+                ref[recipe, variant] = _train_on(variant, functools.partial(opt_class, **kw), dtype, batches)
     for variant in ("frozen", "tied"):
         psi, params = _psi(variant)
         ref["psi", variant] = (psi, max(m for _, m in params))

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 import distlab
 from distlab.course.zero.buckets import describe
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
+                                 grader, judged, load_weights, weights_of)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import held_bytes, model_state, track_comm, track_memory
 from distlab.course.models import PRESETS, build_model, lm_loss, split_batch, synthetic_batch
@@ -86,6 +87,14 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _rank_batch(step: int, n: int, r: int, preset: str = "tiny", batch: int = BATCH, device: Any = None):
     return split_batch(synthetic_batch(step, batch, PRESETS[preset], device=device), r, n)
+
+
+def _my_batch(step: int, n: int, r: int, inputs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's shard of step `step`'s batch: the package's in the notebook, drawn under grading (`inputs`)."""
+    if inputs is None:
+        return _rank_batch(step, n, r)
+    dev = distlab.device()
+    return inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev)
 
 
 # ---- 1. make_buckets ---------------------------------------------------------------------------
@@ -184,11 +193,18 @@ class ConstructTask(Task):
                          f"construct, {n} ranks: one flat buffer, rank r owns chunk r of every bucket"))
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, ZeRO2: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's own (different) starting weights of each model."""
+        return [{k: v for variant in VARIANTS
+                 for k, v in drawn_weights(variant_model(variant, seed=draw_seed(rng), device="cpu"),
+                                           f"{variant}.").items()} for _ in range(case.world_size)]
+
+    def exercise(self, case: Case, ZeRO2: Any, inputs: dict | None = None) -> dict:
         r, out = distlab.rank(), {}
         for variant in VARIANTS:
             distlab.engine.runtime.progress(f"ZeRO2(...) on the {variant} model, {case.world_size} ranks")
-            model = variant_model(variant, seed=100 + r)     # every rank starts with different weights
+            model = (variant_model(variant, seed=100 + r) if inputs is None    # every rank starts different
+                     else load_weights(variant_model(variant), inputs, f"{variant}."))
             names = _names(model)
             with track_comm() as comm:
                 opt = ZeRO2(model.parameters(), torch.optim.SGD, bucket_size_mb=BUCKET_MB, lr=0.1)
@@ -205,7 +221,10 @@ class ConstructTask(Task):
             }
         return out
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        if inputs is not None:
+            return {variant: [{k: v.float() for k, v in weights_of(mine, f"{variant}.").items()} for mine in inputs]
+                    for variant in VARIANTS}
         return {variant: [_params(variant_model(variant, seed=100 + r, device="cpu")) for r in range(case.world_size)]
                 for variant in VARIANTS}
 
@@ -259,7 +278,11 @@ class BackwardTask(Task):
                          f"backward, {n} ranks: one async reduce-scatter per bucket, gradients freed"))
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, ZeRO2: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's shard of the batch."""
+        return drawn_batch_shards(rng, case.world_size, 1, BATCH)
+
+    def exercise(self, case: Case, ZeRO2: Any, inputs: dict | None = None) -> dict:
         n, r = case.world_size, distlab.rank()
         distlab.engine.runtime.progress(f"one backward of ZeRO2 on the plain model, {n} ranks")
         model = variant_model("plain")
@@ -270,7 +293,7 @@ class BackwardTask(Task):
             for name, p in model.named_parameters():   # runs after the learner's hook on the same p
                 p.register_post_accumulate_grad_hook(
                     lambda p, name=name: log.append((name, meter.calls.get("reduce_scatter", 0))))
-            x, y = _rank_batch(0, n, r)
+            x, y = _my_batch(0, n, r, inputs)
             lm_loss(model, x, y).backward()
             pending = len(opt.pending)
             comm = meter.stats()
@@ -281,12 +304,12 @@ class BackwardTask(Task):
                 "buckets": describe(opt.buckets, names),
                 "shards": [b.grad_shard.detach().float().clone() for b in opt.buckets]}
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         """The sum over ranks of each rank's gradient (what the reduce-scatter adds up)."""
         n, total = case.world_size, {}
         for r in range(n):
             model = variant_model("plain", device="cpu")
-            x, y = _rank_batch(0, n, r, device="cpu")
+            x, y = _rank_batch(0, n, r, device="cpu") if inputs is None else (inputs[r]["x0"], inputs[r]["y0"])
             lm_loss(model, x, y).backward()
             for k, p in model.named_parameters():
                 total[k] = total.get(k, 0) + p.grad.detach().clone()
@@ -348,6 +371,18 @@ def train_single(variant: str, recipe: str, steps: int = STEPS) -> dict[str, tor
     return _params(model)
 
 
+def _train_on(variant: str, recipe: str, batches: list) -> dict[str, torch.Tensor]:
+    """`train_single` on given (drawn) whole batches."""
+    opt_class, kw, dtype = RECIPES[recipe]
+    model = variant_model(variant, dtype=dtype, device="cpu")
+    opt = opt_class([p for p in model.parameters() if p.requires_grad], **kw)
+    for x, y in batches:
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _params(model)
+
+
 class StepTask(Task):
     name, answers, hang_hint = "step", ("ZeRO2",), HANG
 
@@ -360,7 +395,11 @@ class StepTask(Task):
                      args={"configs": CONFIGS if n == 2 else CONFIGS_4})
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, ZeRO2: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's shard of each step's batch."""
+        return drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
+
+    def exercise(self, case: Case, ZeRO2: Any, inputs: dict | None = None) -> dict:
         n, r, out = case.world_size, distlab.rank(), {}
         for recipe, variant in case.args["configs"]:
             opt_class, kw, dtype = RECIPES[recipe]
@@ -368,7 +407,7 @@ class StepTask(Task):
             opt = ZeRO2(model.parameters(), opt_class, bucket_size_mb=BUCKET_MB, **kw)
             for step in range(STEPS):
                 distlab.engine.runtime.progress(f"{recipe}, {variant} weights, {n} ranks, step {step}")
-                x, y = _rank_batch(step, n, r)
+                x, y = _my_batch(step, n, r, inputs)
                 with track_comm() as in_backward:
                     lm_loss(model, x, y).backward()
                 with track_comm() as in_step:
@@ -380,8 +419,12 @@ class StepTask(Task):
             out[recipe, variant] = _params(model)
         return out
 
-    def reference(self, case: Case) -> dict:
-        out = {(recipe, v): train_single(v, recipe) for recipe, v in case.args["configs"]}
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        if inputs is None:
+            out = {(recipe, v): train_single(v, recipe) for recipe, v in case.args["configs"]}
+        else:
+            batches = full_batches(inputs, STEPS)
+            out = {(recipe, v): _train_on(v, recipe, batches) for recipe, v in case.args["configs"]}
         for v in ("frozen", "tied"):
             model = variant_model(v, device="cpu")
             trainable = [p for p in model.parameters() if p.requires_grad]

@@ -16,7 +16,9 @@
    fp32 process.
 
 References are computed here, from the same seeded model and batches, without
-the learner's code.
+the learner's code. Under `distlab grade` the batches and every rank's different
+starting weights are drawn from a secret seed instead (`inputs`), and each rank
+receives only its own shard and weights.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
+                                 grader, judged, load_weights)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import held_bytes, track_comm, track_memory
 from distlab.course.models import build_model, lm_loss, split_batch, synthetic_batch
@@ -76,6 +79,34 @@ def _model_names(model: torch.nn.Module) -> list[list[str]]:
     return out
 
 
+def _my_batch(step: int, n: int, r: int, inputs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's shard of step `step`'s batch: the package's in the notebook, drawn under grading (`inputs`)."""
+    if inputs is None:
+        return _batch(step, n, r)
+    dev = distlab.device()
+    return inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev)
+
+
+def _drawn_batches(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's shard of each step's batch."""
+    return drawn_batch_shards(rng, case.world_size, STEPS, BATCH, PRESET)
+
+
+def _train_on(batches: list) -> dict[str, torch.Tensor]:
+    """`_train_single` on given (drawn) whole batches."""
+    model = build_model(PRESET, device="cpu")
+    opt = make_opt(model.parameters())
+    for x, y in batches:
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _trained(inputs: list | None) -> dict[str, torch.Tensor]:
+    return _train_single() if inputs is None else _train_on(full_batches(inputs, STEPS))
+
+
 @functools.lru_cache(maxsize=None)
 def _train_single(steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The ground truth: one process (CPU), the whole batch."""
@@ -120,9 +151,15 @@ class ShardTask(Task):
                          f"shard, {n} ranks: nothing else (the module's parameters freed)"))
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, ZeRO3: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's own (different) starting weights."""
+        return [drawn_weights(build_model(PRESET, seed=draw_seed(rng), device="cpu"), "")
+                for _ in range(case.world_size)]
+
+    def exercise(self, case: Case, ZeRO3: Any, inputs: dict | None = None) -> dict:
         distlab.engine.runtime.progress(f"ZeRO3(model) on {case.world_size} ranks, per-block units")
-        model = build_model(PRESET, seed=100 + distlab.rank())    # every rank starts with other weights
+        model = (build_model(PRESET, seed=100 + distlab.rank()) if inputs is None    # every rank starts with
+                 else load_weights(build_model(PRESET), inputs, ""))                 # other weights
         with track_comm() as comm:
             zero = ZeRO3(model)
         return {"left": sum(p.numel() for p in model.parameters()), "comm": comm.stats(),
@@ -131,8 +168,10 @@ class ShardTask(Task):
                 "leaf": [isinstance(u.shard, torch.nn.Parameter) and u.shard.requires_grad for u in zero.units],
                 "held": held_bytes(vars(zero))}
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         model = build_model(PRESET, seed=100, device="cpu")
+        if inputs is not None:     # rank 0's drawn weights
+            load_weights(model, inputs[0], "")
         return {"params": {k: v.detach().clone() for k, v in model.named_parameters()},
                 "units": _model_names(model)}
 
@@ -332,10 +371,13 @@ class TrainTask(Task):
                          f"train, {n} ranks: between steps a rank holds only its shard"))
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, ZeRO3: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        return _drawn_batches(case, rng)
+
+    def exercise(self, case: Case, ZeRO3: Any, inputs: dict | None = None) -> dict:
         n, r, out = case.world_size, distlab.rank(), {}
         _warm_up()
-        batches = [_batch(step, n, r) for step in range(STEPS)]   # made before the meter runs
+        batches = [_my_batch(step, n, r, inputs) for step in range(STEPS)]   # made before the meter runs
         for variant, kw in VARIANTS.items():
             # The model is built inside the meter, so its full parameters are booked as born and as freed
             # when ZeRO3 shards them: CUDA's allocator counters see both (a model built before the meter
@@ -359,8 +401,8 @@ class TrainTask(Task):
         out["device"] = distlab.device().type
         return out
 
-    def reference(self, case: Case) -> dict:
-        return _train_single()
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        return _trained(inputs)
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         n = case.world_size
@@ -409,7 +451,10 @@ class PrefetchTask(Task):
         return [Case(2, ("prefetch, 2 ranks: matches one process, same traffic",
                          "prefetch, 2 ranks: the next unit's all-gather starts before this unit computes"))]
 
-    def exercise(self, case: Case, ZeRO3: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        return _drawn_batches(case, rng)
+
+    def exercise(self, case: Case, ZeRO3: Any, inputs: dict | None = None) -> dict:
         n, r = case.world_size, distlab.rank()
 
         class Probe(ZeRO3):
@@ -432,7 +477,7 @@ class PrefetchTask(Task):
         log = None
         for step in range(STEPS):
             distlab.engine.runtime.progress(f"prefetch=True, {n} ranks, step {step}")
-            x, y = _batch(step, n, r)
+            x, y = _my_batch(step, n, r, inputs)
             with track_comm() as comm:
                 lm_loss(zero, x, y).backward()
             zero.optimizer.step()
@@ -442,8 +487,8 @@ class PrefetchTask(Task):
         return {"params": full_params(model, zero.units), "events": log, "comm": stats,
                 "padded": [u.padded for u in zero.units]}
 
-    def reference(self, case: Case) -> dict:
-        return _train_single()
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        return _trained(inputs)
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         n = case.world_size
@@ -483,13 +528,16 @@ class Bf16Task(Task):
         return [Case(2, ("bf16, 2 ranks: bf16 on the wire, 3Ψ·2·(N-1)/N",
                          "bf16, 2 ranks: fp32 shards close to one fp32 process"))]
 
-    def exercise(self, case: Case, ZeRO3: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        return _drawn_batches(case, rng)
+
+    def exercise(self, case: Case, ZeRO3: Any, inputs: dict | None = None) -> dict:
         n, r = case.world_size, distlab.rank()
         model = build_model(PRESET)
         zero = ZeRO3(model, optimizer=make_opt, gather_dtype=torch.bfloat16)
         for step in range(STEPS):
             distlab.engine.runtime.progress(f"gather_dtype=bfloat16, {n} ranks, step {step}")
-            x, y = _batch(step, n, r)
+            x, y = _my_batch(step, n, r, inputs)
             with track_comm() as comm:
                 lm_loss(zero, x, y).backward()
             zero.optimizer.step()
@@ -499,8 +547,8 @@ class Bf16Task(Task):
         return {"params": full_params(model, zero.units), "comm": stats, "padded": [u.padded for u in zero.units],
                 "shard_dtypes": sorted({str(u.shard.dtype) for u in zero.units})}
 
-    def reference(self, case: Case) -> dict:
-        return _train_single()
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        return _trained(inputs)
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         n = case.world_size

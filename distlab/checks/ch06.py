@@ -15,6 +15,8 @@
 
 The closed forms below are the reference; `tests/test_ch06_checks.py` shows
 they equal what the meter measures on real ranks.
+Under `distlab grade` the wrap task's batches are drawn from a secret seed
+(`inputs`), and each rank receives only its own shard of each.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, grader, judged
 from distlab.checks.verdict import CheckFailed, compare
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -88,15 +90,18 @@ def _key(gran: str, reshard: Any) -> str:
     return f"{gran}, reshard_after_forward={reshard}"
 
 
-def _train(model: torch.nn.Module, steps: int) -> tuple[Any, Any, dict]:
-    """`steps` SGD steps on this rank's slice of each batch: (traffic of the last step, model states
-    after it, full parameters)."""
+def _train(model: torch.nn.Module, steps: int, inputs: dict | None = None) -> tuple[Any, Any, dict]:
+    """`steps` SGD steps on this rank's slice of each batch (the package's in the notebook, drawn under
+    grading: `inputs`): (traffic of the last step, model states after it, full parameters)."""
     from distlab.meters import model_state, track_comm
     from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     comm = state = None
     for step in range(steps):
-        x, y = split_batch(synthetic_batch(step, BATCH, PRESETS[PRESET]), distlab.rank(), distlab.world_size())
+        if inputs is None:
+            x, y = split_batch(synthetic_batch(step, BATCH, PRESETS[PRESET]), distlab.rank(), distlab.world_size())
+        else:
+            x, y = inputs[f"x{step}"].to(distlab.device()), inputs[f"y{step}"].to(distlab.device())
         with track_comm() as meter:
             lm_loss(model, x, y).backward()
         opt.step()
@@ -111,7 +116,12 @@ def _train(model: torch.nn.Module, steps: int) -> tuple[Any, Any, dict]:
 @functools.lru_cache(maxsize=1)
 def _wrap_reference() -> dict:
     """One process on the full batch, SGD with momentum: the parameters after each step. The same for
-    every case (and every variant of the task a test builds): computed once per process.
+    every case (and every variant of the task a test builds): computed once per process."""
+    return _wrap_on(None)
+
+
+def _wrap_on(batches: list | None) -> dict:
+    """`_wrap_reference` on the package's batches (None) or on given (drawn) whole batches.
 
     torch.optim.SGD(lr=LR, momentum=MOMENTUM)'s arithmetic written out (buf = g, then buf = m buf + g;
     p -= lr buf): the first torch.optim optimizer imports torch._dynamo, seconds in the notebook's kernel.
@@ -124,7 +134,7 @@ def _wrap_reference() -> dict:
     bufs: list = [None] * len(params)
     after = {}
     for step in range(STEPS):
-        x, y = synthetic_batch(step, BATCH, PRESETS[PRESET], device="cpu")
+        x, y = synthetic_batch(step, BATCH, PRESETS[PRESET], device="cpu") if batches is None else batches[step]
         lm_loss(model, x, y).backward()
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -148,7 +158,11 @@ class WrapTask(Task):
                          "wrap on a 2x2 mesh (HSDP), 4 ranks: model states and traffic"),
                      {"shape": (2, 2)})]
 
-    def exercise(self, case: Case, wrap: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's shard of each step's batch."""
+        return drawn_batch_shards(rng, case.world_size, STEPS, BATCH, PRESET)
+
+    def exercise(self, case: Case, wrap: Any, inputs: dict | None = None) -> dict:
         from torch.distributed.fsdp import FSDPModule
 
         from distlab.course.models import build_model
@@ -161,14 +175,16 @@ class WrapTask(Task):
             units = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
             meshes = sorted({(tuple(p.device_mesh.shape), tuple(p.device_mesh.mesh_dim_names or ()))
                              if hasattr(p, "device_mesh") else ((), ("not sharded",)) for p in model.parameters()})
-            comm, state, full = _train(model, steps)
+            comm, state, full = _train(model, steps, inputs)
             out[_key(gran, reshard)] = {"returned_model": returned is model, "units": units,
                                         "meshes": [[list(s), list(n)] for s, n in meshes],
                                         "comm": comm, "state": state, "params": full}
         return out
 
-    def reference(self, case: Case) -> dict:
-        return _wrap_reference()
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        if inputs is None:
+            return _wrap_reference()
+        return _wrap_on(full_batches(inputs, STEPS))
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         shape = tuple(case.args["shape"])

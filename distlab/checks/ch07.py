@@ -44,8 +44,21 @@ class FG(Task):
         out.append(Case(4, ("f_g, 4 ranks in 2 groups, values", "f_g, 4 ranks in 2 groups, traffic"), {"groups": 2}))
         return out
 
-    def exercise(self, case: Case, f: Any, g: Any) -> dict:
+    # Each rank's four tensors: f's input and output gradient, g's input and output gradient.
+    KEYS = ("f_x", "f_dy", "g_x", "g_dz")
+
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's four tensors, drawn; in the notebook `_fixed`'s seeded ones."""
+        shape = (B, CFG.seq_len, CFG.d_model)
+        return [{k: torch.randn(*shape, generator=rng) for k in self.KEYS} for _ in range(case.world_size)]
+
+    def _fixed(self, r: int) -> dict[str, torch.Tensor]:
+        shape = (B, CFG.seq_len, CFG.d_model)
+        return {k: randn(*shape, seed=100 * i + r) for i, k in enumerate(self.KEYS)}
+
+    def exercise(self, case: Case, f: Any, g: Any, inputs: dict | None = None) -> dict:
         r, n, dev = distlab.rank(), distlab.world_size(), distlab.device()
+        mine = self._fixed(r) if inputs is None else inputs
         group = None
         if case.args["groups"] > 1:
             size = n // case.args["groups"]
@@ -53,33 +66,33 @@ class FG(Task):
             group = groups[r // size]
         out: dict[str, Any] = {}
         distlab.engine.runtime.progress("f (CopyToTP): forward, then backward")
-        x = randn(B, CFG.seq_len, CFG.d_model, seed=r).to(dev).requires_grad_()
+        x = mine["f_x"].to(dev).requires_grad_()
         with track_comm() as fwd:
             y = f.apply(x, group)
         with track_comm() as bwd:
-            y.backward(randn(*x.shape, seed=100 + r).to(dev))
+            y.backward(mine["f_dy"].to(dev))
         out["f"] = {"out": y.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
         distlab.engine.runtime.progress("g (ReduceFromTP): forward, then backward")
-        x = (randn(B, CFG.seq_len, CFG.d_model, seed=200 + r).to(dev).requires_grad_())
+        x = mine["g_x"].to(dev).requires_grad_()
         x_in = x * 1.0        # not a leaf: an in-place all-reduce on the input is allowed
         with track_comm() as fwd:
             z = g.apply(x_in, group)
         with track_comm() as bwd:
-            z.backward(randn(*x.shape, seed=300 + r).to(dev))
+            z.backward(mine["g_dz"].to(dev))
         out["g"] = {"out": z.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
         return out
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         n = case.world_size
         size = n // case.args["groups"]
-        shape = (B, CFG.seq_len, CFG.d_model)
+        given = [self._fixed(r) for r in range(n)] if inputs is None else inputs
         ref = {}
         for r in range(n):
             mates = range(r // size * size, r // size * size + size)
-            ref[r] = {"f_out": randn(*shape, seed=r),
-                      "f_grad": sum(randn(*shape, seed=100 + m) for m in mates),
-                      "g_out": sum(randn(*shape, seed=200 + m) for m in mates),
-                      "g_grad": randn(*shape, seed=300 + r)}
+            ref[r] = {"f_out": given[r]["f_x"],
+                      "f_grad": sum(given[m]["f_dy"] for m in mates),
+                      "g_out": sum(given[m]["g_x"] for m in mates),
+                      "g_grad": given[r]["g_dz"]}
         return {"ranks": ref, "size": size}
 
     def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:

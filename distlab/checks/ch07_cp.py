@@ -29,7 +29,22 @@ QKV_SEEDS = (40, 41, 42)
 
 
 def _qkv() -> list[torch.Tensor]:
+    """Q, K and V of the whole sequence in the notebook (seeded); under grading they are drawn (`_drawn`)."""
     return [randn(CP_B, CP_HEADS, CP_SEQ, CP_HD, seed=s) for s in QKV_SEEDS]
+
+
+def _drawn(rng: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randn(CP_B, CP_HEADS, CP_SEQ, CP_HD, generator=rng) for _ in QKV_SEEDS]
+
+
+def _given(inputs: dict | None, r: int, cp: int, part: Any) -> list[torch.Tensor]:
+    """Rank r's part of Q, K and V: `part(z, r, cp)` of the seeded ones, or the drawn ones it received."""
+    return [part(z, r, cp) for z in _qkv()] if inputs is None else [inputs[k] for k in "qkv"]
+
+
+def _ulysses_part(x: torch.Tensor, r: int, cp: int) -> torch.Tensor:
+    """Rank r's slice of the sequence."""
+    return x.chunk(cp, dim=-2)[r].contiguous()
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -45,6 +60,15 @@ def zigzag_blocks(x: torch.Tensor, r: int, cp: int) -> torch.Tensor:
     return torch.cat([parts[r], parts[2 * cp - 1 - r]], dim=-2)
 
 
+def unzigzag(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The whole sequence from every rank's `zigzag_blocks` (in the grader, from the drawn inputs)."""
+    cp = len(parts)
+    blocks: list = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        blocks[r], blocks[2 * cp - 1 - r] = part.chunk(2, dim=-2)
+    return torch.cat(blocks, dim=-2)
+
+
 def pair_flops(cp: int) -> int:
     """FLOPs of one block pair: scores (c x hd by hd x c) and probabilities times V, 2 x 2 B a c^2 hd, c = S/2cp."""
     c = CP_SEQ // (2 * cp)
@@ -57,18 +81,24 @@ class ZigzagTask(Task):
     def cases(self) -> list[Case]:
         return [Case(n, tuple(f"zigzag, {n} ranks, {k}" for k in ("values", "traffic", "balance"))) for n in (2, 4)]
 
-    def exercise(self, case: Case, fn: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: Q, K and V drawn; each rank receives its own two blocks only."""
+        qkv, cp = _drawn(rng), case.world_size
+        return [{k: zigzag_blocks(z, r, cp).contiguous() for k, z in zip("qkv", qkv)} for r in range(cp)]
+
+    def exercise(self, case: Case, fn: Any, inputs: dict | None = None) -> dict:
         from torch.utils.flop_counter import FlopCounterMode
         r, cp, dev = distlab.rank(), distlab.world_size(), distlab.device()
-        mine = [zigzag_blocks(z, r, cp).contiguous().to(dev) for z in _qkv()]
+        mine = [z.contiguous().to(dev) for z in _given(inputs, r, cp, zigzag_blocks)]
         distlab.engine.runtime.progress("zig-zag ring attention: one call")
         with track_comm() as comm, FlopCounterMode(display=False) as flops:
             out = fn(*mine)
         return {"out": out.detach().cpu() if isinstance(out, torch.Tensor) else out, "comm": comm.stats(),
                 "flops": int(flops.get_total_flops())}
 
-    def reference(self, case: Case) -> dict:
-        whole = _attention(*_qkv())
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
+        qkv = _qkv() if inputs is None else [unzigzag([mine[k] for mine in inputs]) for k in "qkv"]
+        whole = _attention(*qkv)
         return {r: zigzag_blocks(whole, r, case.world_size) for r in range(case.world_size)}
 
     def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
@@ -113,9 +143,14 @@ class UlyssesTask(Task):
         return [Case(n, (f"ulysses, {n} ranks, layouts", f"ulysses, {n} ranks, attention",
                          f"ulysses, {n} ranks, traffic")) for n in (2, 4)]
 
-    def exercise(self, case: Case, seq_to_heads: Any, heads_to_seq: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: Q, K and V drawn; each rank receives its own slice of the sequence only."""
+        qkv, cp = _drawn(rng), case.world_size
+        return [{k: _ulysses_part(z, r, cp) for k, z in zip("qkv", qkv)} for r in range(cp)]
+
+    def exercise(self, case: Case, seq_to_heads: Any, heads_to_seq: Any, inputs: dict | None = None) -> dict:
         r, cp, dev = distlab.rank(), distlab.world_size(), distlab.device()
-        mine = [z.chunk(cp, dim=-2)[r].contiguous().to(dev) for z in _qkv()]
+        mine = [z.to(dev) for z in _given(inputs, r, cp, _ulysses_part)]
         distlab.engine.runtime.progress("Ulysses: sequence -> heads, attention, heads -> sequence")
         with track_comm() as comm:
             heads = [seq_to_heads(z) for z in mine]
@@ -124,9 +159,9 @@ class UlyssesTask(Task):
         cpu = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else None  # noqa: E731
         return {"heads": [cpu(h) for h in heads], "out": cpu(back), "comm": comm.stats()}
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         cp = case.world_size
-        qkv = _qkv()
+        qkv = _qkv() if inputs is None else [torch.cat([mine[k] for mine in inputs], dim=-2) for k in "qkv"]
         whole = _attention(*qkv)
         return {r: {"heads": [z.chunk(cp, dim=1)[r] for z in qkv], "out": whole.chunk(cp, dim=-2)[r]}
                 for r in range(cp)}

@@ -22,31 +22,47 @@ class SPOpsTask(Task):
     def cases(self) -> list[Case]:
         return [Case(n, (f"sp_ops, {n} ranks, values", f"sp_ops, {n} ranks, traffic")) for n in (2, 4)]
 
-    def exercise(self, case: Case, gather: Any, scatter: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank's four tensors, drawn (the sequence slices: only this rank's slice)."""
+        t = case.world_size
+        return [{k: torch.randn(*SHAPE, generator=rng).chunk(t, 1)[r].contiguous() if k in self.SLICED
+                 else torch.randn(*SHAPE, generator=rng) for k in self.KEYS} for r in range(t)]
+
+    # GatherFromSP's input (a sequence slice) and output gradient; ReduceScatterToSP's input and output
+    # gradient (a sequence slice).
+    KEYS, SLICED = ("g_x", "g_dy", "s_x", "s_dz"), ("g_x", "s_dz")
+
+    def _fixed(self, r: int, t: int) -> dict[str, torch.Tensor]:
+        return {k: randn(*SHAPE, seed=100 * i + r).chunk(t, 1)[r].contiguous() if k in self.SLICED
+                else randn(*SHAPE, seed=100 * i + r) for i, k in enumerate(self.KEYS)}
+
+    def exercise(self, case: Case, gather: Any, scatter: Any, inputs: dict | None = None) -> dict:
         r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
+        mine = self._fixed(r, t) if inputs is None else inputs
         out: dict[str, Any] = {}
         distlab.engine.runtime.progress("GatherFromSP: forward, then backward")
-        x = randn(*SHAPE, seed=r).chunk(t, 1)[r].contiguous().to(dev).requires_grad_()
+        x = mine["g_x"].to(dev).requires_grad_()
         with track_comm() as fwd:
             y = gather.apply(x, None)
         with track_comm() as bwd:
-            y.backward(randn(*SHAPE, seed=100 + r).to(dev))
+            y.backward(mine["g_dy"].to(dev))
         out["gather"] = {"out": y.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
         distlab.engine.runtime.progress("ReduceScatterToSP: forward, then backward")
-        x = randn(*SHAPE, seed=200 + r).to(dev).requires_grad_()
+        x = mine["s_x"].to(dev).requires_grad_()
         with track_comm() as fwd:
             z = scatter.apply(x * 1.0, None)
         with track_comm() as bwd:
-            z.backward(randn(*SHAPE, seed=300 + r).chunk(t, 1)[r].contiguous().to(dev))
+            z.backward(mine["s_dz"].to(dev))
         out["scatter"] = {"out": z.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
         return out
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         t = case.world_size
-        shards = [randn(*SHAPE, seed=m).chunk(t, 1)[m] for m in range(t)]
-        gsum = sum(randn(*SHAPE, seed=100 + m) for m in range(t))
-        xsum = sum(randn(*SHAPE, seed=200 + m) for m in range(t))
-        hs = [randn(*SHAPE, seed=300 + m).chunk(t, 1)[m] for m in range(t)]
+        given = [self._fixed(m, t) for m in range(t)] if inputs is None else inputs
+        shards = [given[m]["g_x"] for m in range(t)]
+        gsum = sum(given[m]["g_dy"] for m in range(t))
+        xsum = sum(given[m]["s_x"] for m in range(t))
+        hs = [given[m]["s_dz"] for m in range(t)]
         return {r: {"gather_out": torch.cat(shards, 1), "gather_grad": gsum.chunk(t, 1)[r],
                     "scatter_out": xsum.chunk(t, 1)[r], "scatter_grad": torch.cat(hs, 1)} for r in range(t)}
 
