@@ -38,3 +38,19 @@ def test_frameworks_say_who_runs_a_layout():
     assert "Megatron-LM" in frameworks(Layout(dp=2, pp=2, zero=1, m=4))
     assert "runs on" in markdown([plan(ModelSpec(4, 32, 2), Layout(dp=2, pp=2, m=4), Workload(16, 8))])
     assert "algorithmic bytes" in markdown([plan(ModelSpec(4, 32, 2), Layout(dp=2, pp=2, m=4), Workload(16, 8))])
+
+
+def test_mfu_is_an_output_of_each_plan_not_a_constant():
+    """Issue 26: the planner's MFU falls below the kernels' assumed efficiency by the bubble, the exposed
+    communication and recomputation, and differs between layouts."""
+    from distlab.course import planner as pl
+    spec = pl.ModelSpec.from_size(70e9)
+    work = pl.Workload(global_batch=1024, seq_len=4096)
+    cluster = pl.Cluster(gpus=256)
+    plans = pl.candidates(spec, work, cluster)
+    for p in plans[:20]:
+        assert 0 < p.mfu <= cluster.mfu + 1e-12
+        assert p.mfu == pytest.approx(6 * spec.num_params * work.global_batch * work.seq_len
+                                      / (p.layout.gpus * cluster.gpu.bf16_TFLOPs * 1e12 * p.step_s))
+    assert len({round(p.mfu, 4) for p in plans}) > 3
+    assert "MFU (est.)" in pl.markdown(plans[:3], cluster)

@@ -106,15 +106,16 @@ class Cluster:
     kernels' workspaces (~0.5 GB per process), NCCL's buffers (NCCL_BUFFSIZE, 4 MiB by default, per
     channel and peer, for each communicator: dp, tp, pp, cp; ~1 GB), and the caching allocator's
     fragmentation (a share of the rest that free blocks of the wrong size waste). `mfu`: the share
-    of peak bf16 FLOP/s the step's compute is assumed to reach — an input, not a prediction (real
-    MFU falls with smaller matrices per GPU, i.e. with tp and small micro-batches, and with
-    recomputation); vary it to see which rankings it changes.
+    of peak bf16 FLOP/s the step's matmuls reach while nothing else waits — the kernels' efficiency,
+    an assumed input (it falls with smaller matrices per GPU, i.e. with tp and small micro-batches);
+    vary it to see which rankings it changes. The MFU each plan reaches is an output (`Plan.mfu`):
+    below this by the bubble, the exposed communication and recomputation's extra forward.
     """
 
     gpus: int
     gpu: GPU = H100
     memory_GB: float | None = None  # default: the GPU's
-    mfu: float = 0.4                # share of peak bf16 FLOP/s the step's compute reaches (assumed)
+    mfu: float = 0.4                # share of peak bf16 FLOP/s the matmuls reach, nothing waiting (assumed)
     context_GB: float = 0.5         # CUDA context, cuBLAS/cuDNN workspaces
     nccl_GB: float = 1.0            # NCCL's communication buffers, all communicators
     fragmentation: float = 0.05     # share of the remaining memory lost to the allocator's fragmentation
@@ -163,6 +164,7 @@ class Plan:
     step_s: float = 0.0
     fits: bool = True
     buffers: dict[str, list[float]] = field(default_factory=dict)   # per stage: logits, gathered units, fp32 grads
+    mfu: float = 0.0                              # model FLOPs (6 Psi per token) / (devices x peak x step_s)
 
     @property
     def buffer_bytes(self) -> list[float]:
@@ -301,7 +303,10 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     exposed = sum(max(traffic[g]) / bw[links[g]] for g in ("tp", "pp", "cp"))
     hidden_dp = max(traffic["dp"]) / bw[links["dp"]] - compute * 2 / 3       # overlaps the backward
     step = compute / (1 - bub) + exposed + max(0.0, hidden_dp)
-    p = Plan(L, n_local, states, acts, traffic, links, bub, step, buffers=buffers)
+    # What the step reaches, counted as MFU is (the model's 6 Psi FLOPs per token, recomputation not
+    # counted): the kernels' efficiency less the bubble, the exposed communication and the recomputation.
+    mfu = 6 * spec.num_params * tokens / (L.gpus * c.gpu.bf16_TFLOPs * 1e12 * step)
+    p = Plan(L, n_local, states, acts, traffic, links, bub, step, buffers=buffers, mfu=mfu)
     return replace(p, fits=p.memory_bytes <= c.usable_bytes)
 
 
@@ -360,17 +365,19 @@ def markdown(plans: list[Plan], cluster: Cluster | None = None) -> str:
     """A ranked table: memory per device, bytes per device per step by link, bubble, estimated step,
     and the frameworks that run the layout. The byte columns are algorithmic bytes (each call's
     size through the ring formula), not what a profiler would see on the wire."""
-    lines = ["| # | layout | GB per device | fits | NVLink GB/step | IB GB/step | bubble | step (s, est.) | runs on |",
-             "|---:|---|---:|:-:|---:|---:|---:|---:|---|"]
+    lines = ["| # | layout | GB per device | fits | NVLink GB/step | IB GB/step | bubble | step (s, est.) | MFU (est.) | runs on |",
+             "|---:|---|---:|:-:|---:|---:|---:|---:|---:|---|"]
     for i, p in enumerate(plans, 1):
         lb = p.link_bytes()
         lines.append(f"| {i} | {p.layout} | {p.memory_bytes / GB:.1f} | {'yes' if p.fits else 'no'} | "
                      f"{lb['nvlink'] / GB:.2f} | {lb['ib'] / GB:.2f} | {p.bubble:.2f} | {p.step_s:.2f} | "
-                     f"{p.frameworks} |")
+                     f"{p.mfu:.0%} | {p.frameworks} |")
     lines.append("")
     lines.append("GB per device: model states + activations + logits, ZeRO-3's gathered units and fp32 gradient "
                  "accumulation, against the memory less headroom (CUDA context, NCCL buffers, fragmentation). "
-                 "NVLink / IB: algorithmic bytes (each call's size through the ring formula) one device sends per step.")
+                 "NVLink / IB: algorithmic bytes (each call's size through the ring formula) one device sends per step. "
+                 "MFU (est.): the model's 6 Psi FLOPs per token over the devices' peak and the estimated step: the "
+                 "kernels' assumed efficiency less the bubble, exposed communication and recomputation.")
     lines.append("Model states per device are checked against simulation (`distlab.course.sim.check_recipes`: the "
                  "recipes 7B ZeRO-2 on 8, 13B ZeRO-3 on 16, 70B ZeRO-3 + TP 8 on 64 and 175B dp 8 x tp 8 x pp 16 + "
                  "ZeRO-3 on 1024, each run as rank 0 of its GPUs on fake tensors): within 5 % (tests/test_sim.py). "
