@@ -264,9 +264,10 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             work.wait()
         return works[-1]
 
-    def add_live(meter: Any, kind: str, nbytes: int) -> None:
+    def add_live(meter: Any, kind: str, nbytes: int, ranks: tuple = ()) -> None:
         """What `track_comm`'s dispatch mode would count (it sees nothing under a Python process group):
-        the meter's own dicts, updated with the builtin dict methods bound above."""
+        the meter's own dicts, updated with the builtin dict methods bound above; a meter that books by
+        group (chapter 7's `track_comm_by_group`) gets the op under its group's ranks too."""
         state = obj_get(meter, "__dict__")
         if _type(state) is not _dict:
             return
@@ -274,6 +275,14 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             d = dict_get(state, field)
             if _type(d) in counters:
                 dict_set(d, kind, (dict_get(d, kind) or 0) + amount)
+        for field, amount in (("calls_by_group", 1), ("by_group", nbytes)):
+            d = dict_get(state, field)
+            if _type(d) is _dict:
+                g = dict_get(d, ranks)
+                if _type(g) is not _dict:
+                    g = {}
+                    dict_set(d, ranks, g)
+                dict_set(g, kind, (dict_get(g, kind) or 0) + amount)
 
     def take_snapshot() -> None:
         for name, mod in modules.items():
@@ -321,19 +330,20 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 kind, nbytes = book(name, call, entry[2], entry[3])
             send("op", kind, nbytes, entry[4])
             for meter in _list(live.values()):
-                add_live(meter, kind, nbytes)
+                add_live(meter, kind, nbytes, entry[5])
             # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
             # backend's own temporaries
             with no_dispatch():
                 box.append(forward(entry[1], aliases.get(name, name), call))
         elif ev == "distlab.pg.create":
-            group, store, rank, size, timeout = args
+            group, store, rank, size, timeout, members = args
             if group._backend_name.endswith("nccl") and Nccl:
                 inner = Nccl(store, rank, size)
             else:    # on the group thread: this thread may no longer open sockets (seccomp)
                 inner = on_group_thread(Gloo, store, rank, size, timeout)
             gid = _len(groups)
-            groups[_id(group)] = (group, inner, size, rank, _str(gid))
+            ranks = _tuple(_int(r) for r in members) if _len(members) == size else _tuple(range(size))
+            groups[_id(group)] = (group, inner, size, rank, _str(gid), ranks)
             send("pg", _str(gid), size, rank)
         elif ev == "distlab.region":
             edge, meter = args[0], args[1]
@@ -342,7 +352,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 k = region_count[0]
                 region_count[0] = k + 1
                 meters[_id(meter)] = (meter, k, mine)
-                if _type(meter) is _CommMeter:
+                # track_comm's meter, or a subclass of it (chapter 7's per-group meter): the hook only adds
+                # counts to its plain dicts (exact dict types checked in add_live)
+                if _CommMeter in mro_of(_type(meter)):
                     live[_id(meter)] = meter
                 send("region", "begin", k, _int(mine))
             elif _id(meter) in meters:

@@ -197,5 +197,6 @@ def grouped_batch_isend_irecv(original: Any) -> Any:
 def create(opts: Any, backend_options: Any = None, *, backend_name: str) -> MeteredGroup:
     """The backend creator `dist.Backend.register_backend` calls (extended API)."""
     group = MeteredGroup(opts.group_rank, opts.group_size, backend_name)
-    _audit("distlab.pg.create", group, opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    _audit("distlab.pg.create", group, opts.store, opts.group_rank, opts.group_size, opts.timeout,
+           list(opts.global_ranks_in_group))
     return group

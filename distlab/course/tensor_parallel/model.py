@@ -297,6 +297,9 @@ class _GroupMeter:
                 c[kind] = c.get(kind, 0) + 1
 
         self.meter = Meter()
+        # The same dicts on the meter itself: under `distlab grade` (a Python process group, no dispatcher op to
+        # see) the grader's audit hook books each op into them, under its group's ranks.
+        self.meter.by_group, self.meter.calls_by_group = self.by_group, self.calls_by_group
 
     def stats(self) -> dict[tuple[int, ...], dict[str, int]]:
         return {g: dict(v) for g, v in self.by_group.items()}
