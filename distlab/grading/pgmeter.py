@@ -155,23 +155,13 @@ def _method(name: str) -> Any:
     def op(self: MeteredGroup, *args: Any) -> Any:
         return self._op(name, args)
     op.__name__ = op.__qualname__ = name
-    op.__doc__ = f"`{name}` on the real group, booked as {OP_KINDS[name]!r}."
+    op.__doc__ = (f"`{name}` on the real group, booked as {OP_KINDS[name]!r}." if name in OP_KINDS else
+                  f"NCCL's `{name}` on the real group (a group marker, no bytes).")
     return op
 
 
-for _name in OP_KINDS:
+for _name in (*OP_KINDS, *COALESCING):
     setattr(MeteredGroup, _name, _method(_name))
-
-def _marker(name: str) -> Any:
-    def op(self: MeteredGroup, *args: Any) -> Any:
-        return self._op(name, args)
-    op.__name__ = op.__qualname__ = name
-    op.__doc__ = f"NCCL's `{name}` on the real group (a group marker, no bytes)."
-    return op
-
-
-for _name in COALESCING:
-    setattr(MeteredGroup, _name, _marker(_name))
 
 
 def grouped_batch_isend_irecv(original: Any) -> Any:
