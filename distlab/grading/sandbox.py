@@ -136,7 +136,9 @@ def argv(user_ns: bool = True) -> list[str]:
             "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm"]
     roots = _read_only_roots()
     for parent in _parents(roots):
-        if not any(parent == top or parent.startswith(top + "/") for top in ("/usr", "/tmp", "/etc")):
+        # /usr and /etc are bound read-only above (their folders exist); /tmp is the tmpfs, whose own folders
+        # (a checkout or venv under /tmp, as CI's clone) must be made 0755 like any other.
+        if parent != "/tmp" and not any(parent == top or parent.startswith(top + "/") for top in ("/usr", "/etc")):
             cmd += ["--perms", "0755", "--dir", parent]
     for root in roots:
         cmd += ["--ro-bind", root, root]
