@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from unittest import mock
 
 from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
 from distlab.checks.verdict import CheckFailed, reason
@@ -85,16 +86,8 @@ def one_line(text: Any, limit: int = 400) -> str:
 def _references_on(backend: str) -> Iterator[None]:
     """A reference that launches ranks of its own (chapter 3's step, chapter 8's offload) runs on the
     graded ranks' backend: `--backend gloo` on a GPU box must not compute it on NCCL."""
-    before = os.environ.get("DISTLAB_BACKEND")
-    if backend != "auto":
-        os.environ["DISTLAB_BACKEND"] = backend
-    try:
+    with mock.patch.dict(os.environ, {"DISTLAB_BACKEND": backend} if backend != "auto" else {}):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("DISTLAB_BACKEND", None)
-        else:
-            os.environ["DISTLAB_BACKEND"] = before
 
 
 def prepare(lab: str | Path, only: list[str] | None = None, *, first_case: bool = False,

@@ -149,13 +149,6 @@ def device_mesh() -> Any:
 def compute_like_a_gpu(native_bf16: bool = True) -> Iterator[None]:
     """bf16 weights compute in bf16 inside the block (activations in bf16, as on a GPU), whatever this CPU does."""
     import os
-    saved = os.environ.get("DISTLAB_NATIVE_BF16")
-    if native_bf16:
-        os.environ["DISTLAB_NATIVE_BF16"] = "1"
-    try:
+    from unittest import mock
+    with mock.patch.dict(os.environ, {"DISTLAB_NATIVE_BF16": "1"} if native_bf16 else {}):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("DISTLAB_NATIVE_BF16", None)
-        else:
-            os.environ["DISTLAB_NATIVE_BF16"] = saved
