@@ -1,6 +1,7 @@
 """Chapter 7's measured / predicted ratios (issue 25), each held at a reduced size on gloo ranks:
-the peak bytes of a tensor-parallel training step (`lm_train_peak_bytes`), and the bytes ring attention keeps
-for backward (`ring_attention_activation_bytes`) with the lecture's own `RingAttention`, read from the notebook."""
+the peak bytes of a tensor-parallel training step (`lm_train_peak_bytes`), and, with the lecture's own ring attention
+read from the notebook, the peak of its forward (`ring_attention_forward_peak_bytes`) and the bytes `RingAttention`
+keeps for backward (`ring_attention_activation_bytes`)."""
 from __future__ import annotations
 
 import json
@@ -50,9 +51,12 @@ def test_tp_step_peak_within_5_percent():
 def test_ring_attention_keeps_its_output_and_lse_only():
     from distlab.course.tensor_parallel.measure_cp import cp_run
     ring = lecture_ring()
-    b, heads, seq, hd, cp = 1, 4, 64, 8, 2
+    b, heads, seq, hd, cp = 1, 4, 48, 8, 3      # cp = 3: a middle rank merges with a block still in flight
     out = distlab.launch(cp_run, cp, {"ring": ring.ring_attention}, b, heads, seq, hd, 1, 1, ring.RingAttention.apply)
-    for o in out:
+    for r, o in enumerate(out):
+        # the forward's peak (the cp_ring record's peak_bytes), rank by rank: the previous block's output included
+        assert o["ring"]["peak"] == th.ring_attention_forward_peak_bytes(b, heads, seq, hd, cp, rank=r,
+                                                                         bytes_per_element=4)
         tr = o["train"]
         assert tr["kept"] == th.ring_attention_activation_bytes(b, heads, seq, hd, cp, bytes_per_element=4)
         assert tr["one_kept"] == th.attention_activation_bytes(b, heads, seq, hd, bytes_per_element=4)

@@ -79,3 +79,20 @@ def test_activation_model_is_autograds_saved_tensors_to_the_byte(dropout, recomp
         want = 2 * th.activation_bytes_per_layer(s, b, 32, 4, recompute=recompute, bytes_per_element=4,
                                                  dropout=dropout > 0, layernorm_stats=True)
         assert kept == want, (s, b, kept, want)
+
+
+def test_ring_forward_peak_moments():
+    b, a, hd, e = 2, 8, 16, 4
+    for cp, seq in ((4, 1024), (3, 768), (2, 512)):
+        blk = seq // cp
+        q, lse, sc = b * a * blk * hd * e, b * a * blk * e, b * a * blk * blk * e
+        peak = lambda r, **kw: th.ring_attention_forward_peak_bytes(b, a, seq, hd, cp, rank=r, bytes_per_element=e, **kw)
+        assert peak(0) == 6 * q + 2 * lse + sc                        # its own block only
+        # the last rank: a second block with one in flight (cp >= 3), or without (cp = 2: the first step is larger)
+        assert peak(cp - 1) == (7 * q + 3 * lse + sc if cp > 2 else 6 * q + 2 * lse + sc)
+        assert peak(cp - 1, kernel_temporaries=True) == peak(cp - 1) - q + sc      # logsumexp's Sc, not the output yet
+    # short blocks (S/cp < 3 hd): the merge's three rescaled outputs are the peak
+    q, lse = 1 * 2 * 32 * 32 * 4, 1 * 2 * 32 * 4
+    assert th.ring_attention_forward_peak_bytes(1, 2, 96, 32, 3, bytes_per_element=4) == 9 * q + 3 * lse
+    with pytest.raises(ValueError, match="rank"):
+        th.ring_attention_forward_peak_bytes(1, 2, 96, 32, 3, rank=3)

@@ -277,3 +277,46 @@ def attention_activation_bytes(batch: float, heads: int, seq: float, head_dim: i
     its inputs: the probabilities, a S^2 B e, and its output, B a S hd e."""
     _positive(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
     return batch * heads * seq * (seq + head_dim) * bytes_per_element
+
+
+def ring_attention_forward_peak_bytes(batch: float, heads: int, seq: float, head_dim: int, cp: int, *,
+                                      rank: int | None = None, bytes_per_element: float = 2,
+                                      mask_bytes: float = 1, kernel_temporaries: bool = False) -> float:
+    """Peak bytes of chapter 7's `ring_forward` (the lecture's causal ring, one (S/cp)^2 block of scores at a
+    time) on rank `rank` (default the last, which computes all cp blocks), above its inputs Q, K, V.
+
+    Units: Q = B a (S/cp) hd e (a block of queries), L = Q / hd (a log-sum-exp), Sc = B a (S/cp)^2 e (a block of
+    scores), M = (S/cp)^2 `mask_bytes` (a causal mask). The ring carries its output (Q) and log-sum-exp (L), the
+    K, V block in hand (2Q) and, on every step but the last, the one in flight (2Q); from its second block on
+    also the previous block's output and log-sum-exp (Q + L): the names `o, l` hold them until the next block
+    rebinds them. On top of that, the largest of three moments of a step that computes:
+
+    - the causal mask, on the diagonal block: scores and two masks (`torch.ones` and its `triu`), Sc + 2M;
+    - the block's output: scores, its log-sum-exp and its output, Sc + L + Q;
+    - the merge: the new log-sum-exp and the two rescaled outputs with their sum, L + 3Q (scores freed).
+
+    So the last rank of a ring of cp >= 3 peaks at 7Q + 3L + Sc on its second step once S/cp >= 3 hd (6Q + 2L + Sc
+    on the first rank, which merges only its own block). `kernel_temporaries`: add what `logsumexp` allocates
+    inside (exp of the scores minus their maximum, one more Sc): CUDA's allocator counts it, the CPU meter, which
+    books the tensors operators return, does not.
+    """
+    _positive(batch=batch, heads=heads, seq=seq, head_dim=head_dim, cp=cp)
+    r = cp - 1 if rank is None else rank
+    if not 0 <= r < cp:
+        raise ValueError(f"rank must be in 0..{cp - 1}, got {rank}")
+    e, blk = bytes_per_element, seq / cp
+    q = batch * heads * blk * head_dim * e
+    lse = q / head_dim
+    scores = batch * heads * blk * blk * e
+    mask = blk * blk * mask_bytes
+    peak = 0.0
+    for step in range(r + 1):                    # rank r computes blocks r, r-1, ..., 0: steps 0..r
+        carried = q + lse + 2 * q + (q + lse if step else 0) + (2 * q if step < cp - 1 else 0)
+        after = carried - (q + lse if step else 0) + q + lse      # the previous o, l replaced by this block's
+        moments = [carried + scores + lse + q, after + lse + 3 * q]
+        if step == 0:
+            moments.append(carried + scores + 2 * mask)
+        if kernel_temporaries:
+            moments.append(carried + 2 * scores + lse)
+        peak = max(peak, *moments)
+    return peak
