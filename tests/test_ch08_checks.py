@@ -88,6 +88,51 @@ def _first_case(task, ns):
     return _lines(run_task(one, [getattr(ns, name) for name in t.answers]))
 
 
+def _on_rank(task, case, answers, drawn):
+    import distlab
+    return task.exercise(case, *answers, inputs=drawn[distlab.rank()])
+
+
+def graded_lines(task, ns, case_index=0):
+    """One case's verdict lines as `distlab grade` computes them (without its sandbox): every rank's inputs drawn
+    from a fresh secret seed and carried as safetensors, the reference computed from them here, each rank given
+    only its own."""
+    from distlab.checks import lab_module
+    from distlab.checks.task import validate
+    from distlab.engine.launch import launch
+    from distlab.grading import secret
+    t = lab_module(LAB).TASKS[task]
+    case = t.cases()[case_index]
+    drawn = [secret.load(secret.blob(d)) for d in secret.draw(t, case)]
+    outputs = launch(_on_rank, case.world_size, t, case, tuple(getattr(ns, a) for a in t.answers), drawn, stall=5)
+    validate(outputs)
+    return _lines(t.judge(case, outputs, t.reference(case, inputs=drawn)))
+
+
+def test_graded_inputs_reach_each_stage_as_it_needs_them_and_the_solution_passes_on_them(no_orphans):
+    import torch
+
+    from distlab.checks.ch08 import TASKS
+    from distlab.course.pipeline.stages import build_stage
+    from distlab.grading import secret
+    four = secret.draw(TASKS["forward"], TASKS["forward"].cases()[1])        # 4 stages
+    assert ["x" in d for d in four] == [True, False, False, False] and ["y" in d for d in four] == [False] * 3 + [True]
+    for r, mine in enumerate(four):         # only its own stage's weights
+        stage = build_stage("tiny", r, 4, n_layers=4, device="cpu")
+        assert set(mine) - {"x", "y"} == {f"w.{n}" for n, _ in stage.named_parameters()}, r
+    assert not torch.equal(four[1]["w.blocks.0.fc.weight"], four[2]["w.blocks.0.fc.weight"])   # blocks 1 and 2
+    ns = answers(LAB)
+    for task in ("forward", "1f1b", "offload_step"):
+        out = graded_lines(task, ns)
+        assert all(line.startswith("PASS") for line in out), out
+
+
+def test_a_forward_rebuilt_from_the_package_s_seeds_fails_values_under_grading(no_orphans):
+    # right logits in the notebook (test_a_forward_without_a_pipeline_fails_messages); drawn weights and tokens here
+    out = graded_lines("forward", answers(LAB, replace={"pipeline_forward": LOCAL_FORWARD}))
+    assert out[0].startswith("FAIL forward, 2 stages, m=2, values: max |the last rank's logits - reference|"), out
+
+
 def test_the_stubs_fail_every_line(no_orphans):
     # (tests/test_labs.py runs the whole unfilled lab; here, the verdict text.)
     from distlab.checks.ch08 import TASKS

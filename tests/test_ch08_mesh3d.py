@@ -46,3 +46,10 @@ def test_summing_over_dp_fails_values_only(no_orphans):
     out = _by_line(answers(LAB, replace={"step_3d": DP_SUM}))
     assert out["values"].startswith(f"FAIL {HEAD}, values: max |rank "), out
     assert [out[k][:4] for k in ("pp", "dp", "tp")] == ["PASS"] * 3, out
+
+
+def test_under_grading_each_rank_gets_its_stage_and_replica_and_the_solution_passes(no_orphans):
+    # drawn weights and batch (distlab grade's inputs): a rank's coordinate decides what it receives
+    from test_ch08_checks import graded_lines
+    out = graded_lines("step_3d", answers(LAB))
+    assert [line[:4] for line in out] == ["PASS"] * 4, out

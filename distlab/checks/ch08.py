@@ -19,6 +19,11 @@ optimizer's state lives, that gradients leave the device during the backward
 (2Ψ bytes down) and parameters come back after the step (2Ψ up), and that the
 parameters equal those of the plain `MixedPrecisionAdam` after three steps
 (computed by a launch of its own, on the same kind of device).
+
+Under `distlab grade` the values come from inputs drawn from a secret seed (`inputs`), never the package's
+seeded ones: every stage's starting weights (each rank gets only its own stage's), the token ids (only the
+first stage's ranks, their dp replica's rows) and the targets (only the last stage's); the offloaded
+optimizer's starting weights and batches. The references are computed from the same drawn inputs.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, grader,
+                                 judged, load_weights)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import track_comm, track_memory
 
@@ -55,6 +61,36 @@ def _batch(m: int, config: Any, device: Any = None) -> tuple[torch.Tensor, torch
     return synthetic_batch(0, MICRO * m, config, device=device)
 
 
+# ---- drawn inputs (grading only): a stage gets its own weights, the first stage the tokens, the last the targets
+
+def _drawn_stages(rng: torch.Generator, stages: int, rows: int, n_layers: int) -> tuple[list, torch.Tensor,
+                                                                                      torch.Tensor]:
+    """(each stage's weights under "w.", the tokens, the targets) of a model and a batch from drawn seeds."""
+    from distlab.course.models import build_model, synthetic_batch
+    from distlab.course.pipeline.stages import Stage
+    model = build_model(PRESET, seed=draw_seed(rng), n_layers=n_layers, device="cpu")
+    x, y = synthetic_batch(0, rows, model.config, seed=draw_seed(rng), device="cpu")
+    return [drawn_weights(Stage(model, s, stages), "w.") for s in range(stages)], x, y
+
+
+def _model_of_stages(weights: list[dict[str, torch.Tensor]], n_layers: int) -> torch.nn.Module:
+    """In the grader: the whole model with each stage's drawn weights (`weights[s]`: stage s's inputs)."""
+    from distlab.course.models import build_model
+    from distlab.course.pipeline.stages import Stage
+    model = build_model(PRESET, seed=SEED, n_layers=n_layers, device="cpu")
+    for s, mine in enumerate(weights):
+        load_weights(Stage(model, s, len(weights)), mine, "w.")
+    return model
+
+
+def _stage_batch(inputs: dict[str, torch.Tensor], rows: int, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """On a rank: its drawn tokens and targets where it has them; elsewhere zeros of their shape (only
+    their shape is read: `activation_bytes` on a middle stage; the learner gets None for them)."""
+    dev = distlab.device()
+    blank = torch.zeros(rows, config.seq_len, dtype=torch.long)
+    return inputs.get("x", blank).to(dev), inputs.get("y", blank).to(dev)
+
+
 class PipelineTask(Task):
     """`kind`: 'forward' (inference only), 'gpipe' or '1f1b'."""
 
@@ -74,12 +110,23 @@ class PipelineTask(Task):
             out.append(Case(p, lines, {"m": m}))
         return out
 
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: rank r's stage weights; the tokens to rank 0 only, the targets to the last rank only."""
+        p = case.world_size
+        out, x, y = _drawn_stages(rng, p, MICRO * case.args["m"], LAYERS)
+        out[0]["x"], out[p - 1]["y"] = x, y
+        return out
+
     # -- on every rank, with the learner's function ------------------------------------------------
-    def exercise(self, case: Case, fn: Any) -> dict:
+    def exercise(self, case: Case, fn: Any, inputs: dict | None = None) -> dict:
         from distlab.course.pipeline.stages import activation_bytes, build_stage
         p, m, r = case.world_size, case.args["m"], distlab.rank()
         stage = build_stage(PRESET, r, p, seed=SEED, n_layers=LAYERS)
-        x, y = _batch(m, stage.config)
+        if inputs is None:
+            x, y = _batch(m, stage.config)
+        else:
+            load_weights(stage, inputs, "w.")
+            x, y = _stage_batch(inputs, MICRO * m, stage.config)
         first, last = r == 0, r == p - 1
         unit = 0
         if self.kind != "forward":
@@ -103,10 +150,14 @@ class PipelineTask(Task):
                 "comm": comm.stats()}
 
     # -- here, without learner code ----------------------------------------------------------------
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         from distlab.course.models import build_model, lm_loss
-        model = build_model(PRESET, seed=SEED, n_layers=LAYERS, device="cpu")
-        x, y = _batch(case.args["m"], model.config, device="cpu")
+        if inputs is None:
+            model = build_model(PRESET, seed=SEED, n_layers=LAYERS, device="cpu")
+            x, y = _batch(case.args["m"], model.config, device="cpu")
+        else:
+            model = _model_of_stages(inputs, LAYERS)
+            x, y = inputs[0]["x"], inputs[-1]["y"]
         if self.kind == "forward":
             with torch.no_grad():
                 return {"out": model(x).float(), "grads": {}}
@@ -183,19 +234,31 @@ class PipelineTask(Task):
 
 # ---- offload -------------------------------------------------------------------------------------
 
-def _offload_model() -> Any:
+def _offload_model(seed: int = SEED, device: Any = None) -> Any:
     from distlab.course.models import build_model
-    return build_model(PRESET, seed=SEED).to(torch.bfloat16)
+    return build_model(PRESET, seed=seed, device=device).to(torch.bfloat16)
 
 
-def _plain_offload_reference() -> dict:
-    """MixedPrecisionAdam on the rank's device: what the offloaded optimizer must reproduce."""
-    from distlab.course.models import lm_loss, synthetic_batch
-    from distlab.engine.precision import MixedPrecisionAdam
+def _offload_start(inputs: dict | None) -> tuple[Any, Any]:
+    """On the rank: the bf16 model (its drawn starting weights under grading) and step s's batch, `batch(s)`."""
+    from distlab.course.models import synthetic_batch
     model = _offload_model()
+    if inputs is None:
+        return model, lambda step: synthetic_batch(step, OFFLOAD_BATCH, model.config)
+    load_weights(model, inputs, "w.")
+    dev = distlab.device()
+    return model, lambda step: (inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev))
+
+
+def _plain_offload_reference(inputs: dict | None = None) -> dict:
+    """MixedPrecisionAdam on the rank's device: what the offloaded optimizer must reproduce (from the drawn
+    `inputs` under grading, all of them: one rank)."""
+    from distlab.course.models import lm_loss
+    from distlab.engine.precision import MixedPrecisionAdam
+    model, batch = _offload_start(inputs)
     opt = MixedPrecisionAdam(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
     for step in range(OFFLOAD_STEPS):
-        x, y = synthetic_batch(step, OFFLOAD_BATCH, model.config)
+        x, y = batch(step)
         lm_loss(model, x, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -212,10 +275,18 @@ class OffloadTask(Task):
     def cases(self) -> list[Case]:
         return [Case(1, tuple(f"{self.name}, {line}" for line in self._lines))]
 
-    def exercise(self, case: Case, cls: Any) -> dict:
-        from distlab.course.models import lm_loss, num_params, synthetic_batch
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]] | None:
+        """Under grading, for the tasks that train: drawn starting weights and each step's batch."""
+        if self.kind == "state":
+            return None
+        steps = 1 if self.kind == "grads" else OFFLOAD_STEPS
+        mine = drawn_weights(_offload_model(draw_seed(rng), device="cpu"), "w.")
+        return [{**mine, **drawn_batch_shards(rng, 1, steps, OFFLOAD_BATCH, PRESET)[0]}]
+
+    def exercise(self, case: Case, cls: Any, inputs: dict | None = None) -> dict:
+        from distlab.course.models import lm_loss, num_params
         from distlab.course.offload import host_device_split, track_transfers
-        model = _offload_model()
+        model, batch = _offload_start(inputs)
         psi = num_params(model)
         distlab.engine.runtime.progress(f"offload_{self.kind}: building the optimizer")
         opt = cls(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
@@ -227,7 +298,7 @@ class OffloadTask(Task):
         out["steps"] = []
         for step in range(steps):
             distlab.engine.runtime.progress(f"offload_{self.kind}: step {step}")
-            x, y = synthetic_batch(step, OFFLOAD_BATCH, model.config)
+            x, y = batch(step)
             with track_transfers(model) as backward:
                 lm_loss(model, x, y).backward()
             left = [n for n, q in model.named_parameters() if q.grad is not None]
@@ -241,11 +312,11 @@ class OffloadTask(Task):
             out["params"] = {n: q.detach().clone() for n, q in model.named_parameters()}
         return out
 
-    def reference(self, case: Case) -> Any:
+    def reference(self, case: Case, inputs: list | None = None) -> Any:
         if self.kind != "step":
             return None
         from distlab.engine.launch import launch
-        return launch(_plain_offload_reference, 1)[0]
+        return launch(_plain_offload_reference, 1, None if inputs is None else inputs[0])[0]
 
     def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:
         o = outputs[0]
@@ -489,7 +560,24 @@ class Mesh3DTask(Task):
         return [Case(pp * dp * tp, tuple(f"{head}, {k}" for k in ("values", "pp", "dp", "tp")),
                      {"shape": MESH_SHAPE, "m": MESH_M})]
 
-    def exercise(self, case: Case, fn: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: every rank its stage's weights (whole: `tp_stage` cuts them); a first-stage rank its dp
+        replica's tokens, a last-stage rank its replica's targets. Ranks in `distlab.mesh`'s row-major order."""
+        pp, dp, tp = case.args["shape"]
+        rows = case.args["m"] * MICRO
+        weights, x, y = _drawn_stages(rng, pp, dp * rows, MESH_LAYERS)
+        out = []
+        for r in range(pp * dp * tp):
+            s, d = r // (dp * tp), r // tp % dp
+            mine = dict(weights[s])
+            if s == 0:
+                mine["x"] = x[d * rows:(d + 1) * rows]
+            if s == pp - 1:
+                mine["y"] = y[d * rows:(d + 1) * rows]
+            out.append(mine)
+        return out
+
+    def exercise(self, case: Case, fn: Any, inputs: dict | None = None) -> dict:
         from distlab.course.pipeline.mesh3d import MESH_ORDER, tp_stage
         from distlab.course.pipeline.stages import build_stage
         from distlab.course.tensor_parallel.model import track_comm_by_group
@@ -500,12 +588,18 @@ class Mesh3DTask(Task):
         groups = {n: mesh.get_group(n) for n in MESH_ORDER}
         ranks = {n: tuple(dist.get_process_group_ranks(g)) for n, g in groups.items()}
         s = coord["pp"]
-        stage = tp_stage(build_stage(PRESET, s, pp, seed=SEED, n_layers=MESH_LAYERS), groups["tp"])
-        x, y = _batch(dp * m, stage.config)
-        rows = slice(coord["dp"] * m * MICRO, (coord["dp"] + 1) * m * MICRO)
+        whole = build_stage(PRESET, s, pp, seed=SEED, n_layers=MESH_LAYERS)
+        if inputs is None:
+            x, y = _batch(dp * m, whole.config)
+            rows = slice(coord["dp"] * m * MICRO, (coord["dp"] + 1) * m * MICRO)
+            x, y = x[rows], y[rows]
+        else:
+            load_weights(whole, inputs, "w.")
+            x, y = _stage_batch(inputs, m * MICRO, whole.config)
+        stage = tp_stage(whole, groups["tp"])
         distlab.engine.runtime.progress(f"step_3d on {pp} x {dp} x {tp}: stage {s}")
         with track_comm_by_group() as meter:
-            loss = fn(stage, groups, x[rows] if s == 0 else None, y[rows] if s == pp - 1 else None, m, MICRO)
+            loss = fn(stage, groups, x if s == 0 else None, y if s == pp - 1 else None, m, MICRO)
         label = {r: n for n, r in ranks.items()}
         comm = {label.get(g, "ranks " + ", ".join(map(str, g))): dict(v) for g, v in meter.stats().items()}
         calls = {label.get(g, "ranks " + ", ".join(map(str, g))): dict(v) for g, v in meter.calls_by_group.items()}
@@ -518,12 +612,17 @@ class Mesh3DTask(Task):
                 "comm": comm, "calls": calls, "d_model": stage.config.d_model, "seq_len": stage.config.seq_len,
                 "blocks": len(stage.blocks)}
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         from distlab.course.models import build_model, lm_loss
         pp, dp, tp = case.args["shape"]
         m = case.args["m"]
-        model = build_model(PRESET, seed=SEED, n_layers=MESH_LAYERS, device="cpu")
-        x, y = _batch(dp * m, model.config, device="cpu")
+        if inputs is None:
+            model = build_model(PRESET, seed=SEED, n_layers=MESH_LAYERS, device="cpu")
+            x, y = _batch(dp * m, model.config, device="cpu")
+        else:             # stage s's weights from its first rank; the replicas' rows in dp order
+            model = _model_of_stages([inputs[s * dp * tp] for s in range(pp)], MESH_LAYERS)
+            x = torch.cat([inputs[d * tp]["x"] for d in range(dp)])
+            y = torch.cat([inputs[(pp - 1) * dp * tp + d * tp]["y"] for d in range(dp)])
         lm_loss(model, x, y).backward()
         with torch.no_grad():
             replica = [lm_loss(model, x[d * m * MICRO:(d + 1) * m * MICRO], y[d * m * MICRO:(d + 1) * m * MICRO]).item()
