@@ -36,6 +36,23 @@ Everything the hook uses is bound here, before learner code runs, and kept
 in its closure: learner code can rebind module attributes, but not these.
 The runner knows the key only from the stream's first bytes, so records a
 learner writes into the FIFO without it are refused (see `channel`).
+
+No plain reference leads from anything learner code can name to the hook's
+closure (its key, its sender, its state): only the interpreter's list of
+audit hooks holds it (`tests/test_grading_seal.py` walks every reference
+from the modules, the builtins and every class, and finds none). The routes
+that produce references at run time are each booked before they return, or
+refused:
+- gc walks, other threads' frames, tracers: booked (learner code anywhere
+  on the stack), before the walk returns anything;
+- torch's frame-evaluation callback (`set_eval_frame`, what `torch.compile`
+  installs; it would be handed the hook's own frame, closure included, with
+  no audit event): replaced before learner code by `set_eval_frame` below,
+  which refuses a callback, and books the try;
+- tracebacks: no exception ever leaves the hook, so no traceback holds its
+  frames. A failing call on the metered group (a gloo error, an argument
+  the hook refuses) comes back to `MeteredGroup._op` as a `pgmeter.Failed`,
+  which raises a fresh exception there.
 """
 from __future__ import annotations
 
@@ -116,6 +133,62 @@ def _group_thread() -> Any:
     return run
 
 
+# torch's C functions that install a callback the interpreter hands frames to (see the module docstring)
+FRAME_CALLBACKS = ("set_eval_frame", "set_bytecode_debugger_callback")
+
+
+def set_eval_frame(callback: Any) -> Any:
+    """`torch._C._dynamo.eval_frame.set_eval_frame` under grading: None (or False) goes through, as
+    `torch._dynamo.disable` uses it; a callback is refused. The real function is held by the hook only."""
+    box: list = []
+    sys.audit("distlab.frames", "set_eval_frame", callback, box)
+    return _unbox(box, "set_eval_frame")
+
+
+def set_bytecode_debugger_callback(callback: Any) -> Any:
+    """`torch._C._dynamo.eval_frame.set_bytecode_debugger_callback` under grading; see `set_eval_frame`."""
+    box: list = []
+    sys.audit("distlab.frames", "set_bytecode_debugger_callback", callback, box)
+    return _unbox(box, "set_bytecode_debugger_callback")
+
+
+def _unbox(box: list, name: str) -> Any:
+    from distlab.grading.pgmeter import Failed
+    if not box:
+        raise RuntimeError(f"distlab grade: {name} did not run (the grader's audit hook is missing)")
+    if type(box[0]) is Failed:
+        raise box[0].exception()
+    return box[0]
+
+
+def _take_frame_callbacks() -> dict[str, Any]:
+    """Replace torch's frame-callback setters by the functions above in every module that holds them
+    (before learner code: nothing booked); the real ones, by name, for the hook alone."""
+    import gc
+
+    import torch
+    module = torch._C._dynamo.eval_frame
+    originals = {name: getattr(module, name) for name in FRAME_CALLBACKS if hasattr(module, name)}
+    mine = {"set_eval_frame": set_eval_frame, "set_bytecode_debugger_callback": set_bytecode_debugger_callback}
+    for name, fn in originals.items():
+        for holder in gc.get_referrers(fn):
+            if type(holder) is dict and holder is not originals:   # module namespaces (torch._dynamo's
+                                                                      # `from ... import set_eval_frame`)
+                for k in [k for k, v in holder.items() if v is fn]:
+                    holder[k] = mine[name]
+    return originals
+
+
+def _codes_of(*fns: Any) -> frozenset:
+    """The code objects of `fns` and of every function defined inside them."""
+    out, todo = set(), [f.__code__ for f in fns]
+    while todo:
+        code = todo.pop()
+        out.add(code)
+        todo.extend(c for c in code.co_consts if type(c) is type(code))
+    return frozenset(out)
+
+
 def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: tuple[str, ...]) -> None:
     """Open the event stream, send its key, add the hook. Call once per rank, before learner code.
 
@@ -130,8 +203,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     import torch
     import torch.distributed as dist
 
-    from distlab.grading.pgmeter import COALESCING, OP_KINDS, booking
+    from distlab.grading.pgmeter import COALESCING, OP_KINDS, Failed, booking
 
+    frame_setters = _take_frame_callbacks()
     on_group_thread = _group_thread()
     libs, stdlib = trusted_roots()
     site_dirs = tuple(r for r in libs if r != stdlib[0])
@@ -161,6 +235,14 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     one_by_one = {"allgather_into_tensor_coalesced": "_allgather_base",
                   "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
     codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
+    codes["distlab.frames"] = frozenset((set_eval_frame.__code__, set_bytecode_debugger_callback.__code__))
+    # exceptions a failing call may come back as (anything else: RuntimeError); their text is read with
+    # BaseException.__str__, so no subclass's code runs here
+    raisable = frozenset((TypeError, ValueError, RuntimeError, IndexError, NotImplementedError, OverflowError,
+                          *(getattr(dist, n) for n in ("DistError", "DistBackendError", "DistNetworkError",
+                                                       "DistStoreError") if hasattr(dist, n))))
+    exc_str = BaseException.__str__
+    boxed_at = {"distlab.pg.op": 2, "distlab.pg.create": 6, "distlab.frames": 2}
     modules = {name: sys.modules[name] for name in snapshot_modules if name in sys.modules}
     seq, busy, learner_cache, finished = [0], [False], {}, [False]
     groups: dict[int, tuple] = {}
@@ -232,7 +314,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         """
         busy[0] = True
         try:
-            f = getframe(2)
+            f = getframe(3)    # look <- watch <- hook <- the code that raised the event
             if f is None:
                 return None, False, "", ""
             anywhere, cause = first_learner(f), initiator(f)
@@ -311,7 +393,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         if code is None or code not in codes.get(ev, ()) or (src and ev in (
                 "distlab.lookup", "distlab.checkpoint", "distlab.finish")):
             send("ev", "forged " + ev, "a distlab audit event not raised by distlab", src)
-            raise RuntimeError("distlab grade: " + ev + " may only be raised by distlab")
+            return      # nothing runs: a forged op's caller finds its box empty
         if ev == "distlab.pg.op":
             group, name, box, call = args
             entry = groups.get(_id(group))
@@ -326,17 +408,19 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                     box.append(_getattr(entry[1], name)(call[0]))
                 return
             call = clean(call)
-            with no_torch_fn():
+            with no_torch_fn(), no_dispatch():    # a tensor subclass's Python methods never run here
                 kind, nbytes = book(name, call, entry[2], entry[3])
-            send("op", kind, nbytes, entry[4])
-            for meter in _list(live.values()):
-                add_live(meter, kind, nbytes, entry[5])
             # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
             # backend's own temporaries
             with no_dispatch():
-                box.append(forward(entry[1], aliases.get(name, name), call))
+                work = forward(entry[1], aliases.get(name, name), call)
+            # booked once issued: a call the backend refused (bad shapes) moved nothing and counts nothing
+            send("op", kind, nbytes, entry[4])
+            for meter in _list(live.values()):
+                add_live(meter, kind, nbytes, entry[5])
+            box.append(work)
         elif ev == "distlab.pg.create":
-            group, store, rank, size, timeout, members = args
+            group, store, rank, size, timeout, members, box = args
             if group._backend_name.endswith("nccl") and Nccl:
                 inner = Nccl(store, rank, size)
             else:    # on the group thread: this thread may no longer open sockets (seccomp)
@@ -345,6 +429,17 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             ranks = _tuple(_int(r) for r in members) if _len(members) == size else _tuple(range(size))
             groups[_id(group)] = (group, inner, size, rank, _str(gid), ranks)
             send("pg", _str(gid), size, rank)
+            box.append(None)
+        elif ev == "distlab.frames":
+            name, callback, box = args
+            if callback is None or callback is False:
+                box.append(frame_setters[name](callback))
+                return
+            if src:
+                send("ev", name, "a frame-evaluation callback (torch.compile, a debugger) would see the grader's "
+                               "frames", src)
+            raise RuntimeError("distlab grade: " + name + " with a callback is not available under grading "
+                               "(torch.compile and frame hooks are switched off)")
         elif ev == "distlab.region":
             edge, meter = args[0], args[1]
             mine = src != ""
@@ -385,6 +480,25 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             send("finish", args[0])
 
     def hook(ev: Any, args: Any) -> None:
+        """`watch`, never raising: an exception leaving the hook would carry its frames (and through them
+        its closure) to whoever catches it. A distlab call that fails gets a `Failed` in its box instead."""
+        try:
+            watch(ev, args)
+        except BaseException as exc:  # noqa: BLE001 - see the docstring
+            at = boxed_at.get(ev) if _type(ev) is _str else None
+            box = args[at] if at is not None and _type(args) is _tuple and _len(args) > at else None
+            t = _type(exc)
+            try:
+                if _type(box) is _list and not box:
+                    box.append(Failed(t if t in raisable else RuntimeError,
+                                      exc_str(exc) if t in raisable else name_of(t) + ": " + exc_str(exc)))
+                else:    # fail closed: an event the hook could not read is evidence
+                    send("ev", "unreadable event", "the audit hook could not read " + safe(ev) + " ("
+                         + name_of(t) + ")", "")
+            except BaseException:  # noqa: BLE001 - nothing may leave the hook
+                pass
+
+    def watch(ev: Any, args: Any) -> None:
         if busy[0]:
             return
         if _type(ev) is not _str or _type(args) is not _tuple:

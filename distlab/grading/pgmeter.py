@@ -100,6 +100,19 @@ def booking(numel: Any, element_size: Any, dim: Any, size: Any) -> Any:
     return book
 
 
+class Failed:
+    """What the audit hook hands back for a call that failed, instead of raising: an exception leaving the
+    hook would carry its frames. The caller raises `exception()`, a fresh one, from its own frame."""
+
+    __slots__ = ("kind", "message")
+
+    def __init__(self, kind: type, message: str) -> None:
+        self.kind, self.message = kind, message
+
+    def exception(self) -> BaseException:
+        return self.kind(self.message)
+
+
 class MeteredGroup(dist.ProcessGroup):
     """A process group whose every call is run (and booked) by the grader's audit hook."""
 
@@ -113,7 +126,10 @@ class MeteredGroup(dist.ProcessGroup):
         box: list = []
         _audit("distlab.pg.op", self, name, box, args)
         if not box:
-            raise RuntimeError(f"distlab grade: the call {name} was not run (the grader's audit hook is missing)")
+            raise RuntimeError(f"distlab grade: the call {name} was not run (the grader's audit hook is missing, "
+                               "or the call was not distlab's)")
+        if type(box[0]) is Failed:
+            raise box[0].exception()
         return box[0]
 
     # -- names torch reads ------------------------------------------------------------------------------
@@ -187,6 +203,11 @@ def grouped_batch_isend_irecv(original: Any) -> Any:
 def create(opts: Any, backend_options: Any = None, *, backend_name: str) -> MeteredGroup:
     """The backend creator `dist.Backend.register_backend` calls (extended API)."""
     group = MeteredGroup(opts.group_rank, opts.group_size, backend_name)
+    box: list = []
     _audit("distlab.pg.create", group, opts.store, opts.group_rank, opts.group_size, opts.timeout,
-           list(opts.global_ranks_in_group))
+           list(opts.global_ranks_in_group), box)
+    if not box:
+        raise RuntimeError("distlab grade: the process group was not created (the grader's audit hook is missing)")
+    if type(box[0]) is Failed:
+        raise box[0].exception()
     return group
