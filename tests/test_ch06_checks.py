@@ -103,7 +103,7 @@ def test_one_unit_for_every_granularity_fails_units_and_traffic(no_orphans):
                       "expected every block and the root ('')")
     assert out[1].startswith("PASS wrap, 2 ranks: parameters"), out   # the values are right ...
     assert out[2].startswith("FAIL wrap, 2 ranks: traffic: rank 0, block, reshard_after_forward=None: "
-                             "all_gather sent 68352 B in a step, expected 119168 B"), out   # ... the wrapping is not
+                             "all_gather sent 68352 B in step 0, expected 119168 B"), out   # ... the wrapping is not
 
 
 def test_ignoring_the_given_mesh_fails_on_the_2d_mesh(no_orphans):

@@ -18,7 +18,8 @@
 References are computed here, from the same seeded model and batches, without
 the learner's code. Under `distlab grade` the batches and every rank's different
 starting weights are drawn from a secret seed instead (`inputs`), and each rank
-receives only its own shard and weights.
+receives only its own shard and weights. Every call whose values are judged is metered
+and its traffic judged: each training step's, not only the first's.
 """
 from __future__ import annotations
 
@@ -132,13 +133,20 @@ def _compare_params(outputs: list, key: Any, ref: dict, atol: float, rtol: float
                 raise CheckFailed(f"{label}: {exc}")
 
 
-def _traffic(stats: Any, units: int, padded: int, n: int, b: int, at: str) -> None:
+def _traffic(stats: Any, units: int, padded: int, n: int, b: int, at: str, when: str = "in one step") -> None:
     calls = {"all_gather": 2 * units, "reduce_scatter": units}
-    expect(stats.calls == calls, f"{at}: collectives {stats.calls} in one step; expected {calls} "
+    expect(stats.calls == calls, f"{at}: collectives {stats.calls} {when}; expected {calls} "
            "(two all-gathers and one reduce-scatter per unit)")
     want = 3 * padded * b * (n - 1) // n
-    expect(stats.total_bytes == want, f"{at}: {stats.total_bytes} algorithmic bytes in one step; expected "
+    expect(stats.total_bytes == want, f"{at}: {stats.total_bytes} algorithmic bytes {when}; expected "
            f"3 x {padded} x {b} x (N-1)/N = {want}")
+
+
+def _traffic_per_step(steps: list, units: int, padded: int, n: int, b: int, at: str) -> None:
+    """`_traffic` of every step: each step whose parameters the values line judges is metered and judged."""
+    expect(len(steps) == STEPS, f"{at}: {len(steps)} metered steps, expected {STEPS}")
+    for k, stats in enumerate(steps):
+        _traffic(stats, units, padded, n, b, at, f"in step {k}")
 
 
 # ---- 1. construction ----------------------------------------------------------------------------
@@ -391,8 +399,7 @@ class TrainTask(Task):
                         lm_loss(zero, x, y).backward()
                     zero.optimizer.step()
                     zero.optimizer.zero_grad(set_to_none=False)   # keep the gradient shards: 12 B/element
-                    if step == 0:
-                        out[variant, "comm"] = comm.stats()
+                    out.setdefault((variant, "comm"), []).append(comm.stats())   # every step whose values count
                 out[variant, "alive"] = mem.current_bytes
             out[variant, "held"] = held_bytes(vars(zero))
             out[variant, "padded"] = [u.padded for u in zero.units]
@@ -419,7 +426,7 @@ class TrainTask(Task):
             for r, out in enumerate(outputs):
                 for variant in VARIANTS:
                     padded = out[variant, "padded"]
-                    _traffic(out[variant, "comm"], len(padded), sum(padded), n, 4, f"rank {r}, {variant}")
+                    _traffic_per_step(out[variant, "comm"], len(padded), sum(padded), n, 4, f"rank {r}, {variant}")
             return "two all-gathers and one reduce-scatter per unit, 3Ψ·4·(N-1)/N algorithmic bytes"
 
         def only() -> str:
@@ -474,7 +481,7 @@ class PrefetchTask(Task):
         zero.events = []
         for unit in zero.units:   # registered after ZeRO3's own pre-hook: runs once the unit is gathered
             unit.modules[0].register_forward_pre_hook(lambda m, a, i=unit.index: zero.events.append(("forward", i)))
-        log = None
+        log, stats = None, []
         for step in range(STEPS):
             distlab.engine.runtime.progress(f"prefetch=True, {n} ranks, step {step}")
             x, y = _my_batch(step, n, r, inputs)
@@ -482,8 +489,9 @@ class PrefetchTask(Task):
                 lm_loss(zero, x, y).backward()
             zero.optimizer.step()
             zero.optimizer.zero_grad(set_to_none=True)
+            stats.append(comm.stats())          # every step whose values count
             if step == 0:
-                log, stats = list(zero.events), comm.stats()
+                log = list(zero.events)
         return {"params": full_params(model, zero.units), "events": log, "comm": stats,
                 "padded": [u.padded for u in zero.units]}
 
@@ -497,7 +505,7 @@ class PrefetchTask(Task):
         def matches() -> str:
             _compare_params(outputs, "params", reference, 1e-5, 1e-4, "prefetch=True")
             for r, out in enumerate(outputs):
-                _traffic(out["comm"], len(out["padded"]), sum(out["padded"]), n, 4, f"rank {r}")
+                _traffic_per_step(out["comm"], len(out["padded"]), sum(out["padded"]), n, 4, f"rank {r}")
             return "prefetch changes when bytes move, not what is computed or how many bytes"
 
         def order() -> str:
@@ -535,6 +543,7 @@ class Bf16Task(Task):
         n, r = case.world_size, distlab.rank()
         model = build_model(PRESET)
         zero = ZeRO3(model, optimizer=make_opt, gather_dtype=torch.bfloat16)
+        stats = []
         for step in range(STEPS):
             distlab.engine.runtime.progress(f"gather_dtype=bfloat16, {n} ranks, step {step}")
             x, y = _my_batch(step, n, r, inputs)
@@ -542,8 +551,7 @@ class Bf16Task(Task):
                 lm_loss(zero, x, y).backward()
             zero.optimizer.step()
             zero.optimizer.zero_grad(set_to_none=True)
-            if step == 0:
-                stats = comm.stats()
+            stats.append(comm.stats())          # every step whose values count
         return {"params": full_params(model, zero.units), "comm": stats, "padded": [u.padded for u in zero.units],
                 "shard_dtypes": sorted({str(u.shard.dtype) for u in zero.units})}
 
@@ -556,7 +564,7 @@ class Bf16Task(Task):
 
         def wire() -> str:
             for r, out in enumerate(outputs):
-                _traffic(out["comm"], len(out["padded"]), sum(out["padded"]), n, 2, f"rank {r}")
+                _traffic_per_step(out["comm"], len(out["padded"]), sum(out["padded"]), n, 2, f"rank {r}")
             return "2-byte elements in every all-gather and reduce-scatter"
 
         def values() -> str:

@@ -28,7 +28,7 @@ import torch
 
 import distlab
 from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, grader, judged
-from distlab.checks.verdict import CheckFailed, compare
+from distlab.checks.verdict import CheckFailed, compare, expect
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
 PRELUDE = """\
@@ -92,11 +92,12 @@ def _key(gran: str, reshard: Any) -> str:
 
 def _train(model: torch.nn.Module, steps: int, inputs: dict | None = None) -> tuple[Any, Any, dict]:
     """`steps` SGD steps on this rank's slice of each batch (the package's in the notebook, drawn under
-    grading: `inputs`): (traffic of the last step, model states after it, full parameters)."""
+    grading: `inputs`): (each step's traffic, model states after the last, full parameters). Every step whose
+    parameters are judged is metered, so its traffic is judged too."""
     from distlab.meters import model_state, track_comm
     from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    comm = state = None
+    comm, state = [], None
     for step in range(steps):
         if inputs is None:
             x, y = split_batch(synthetic_batch(step, BATCH, PRESETS[PRESET]), distlab.rank(), distlab.world_size())
@@ -105,7 +106,7 @@ def _train(model: torch.nn.Module, steps: int, inputs: dict | None = None) -> tu
         with track_comm() as meter:
             lm_loss(model, x, y).backward()
         opt.step()
-        comm = meter.stats()
+        comm.append(meter.stats())
         state = model_state(model, optimizer=opt)
         opt.zero_grad(set_to_none=True)
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
@@ -224,19 +225,22 @@ class WrapTask(Task):
 
         def bytes_line(check_state: bool) -> str:
             for r, out in enumerate(outputs):
-                for gran, reshard, _ in configs:
+                for gran, reshard, steps in configs:
                     got = out[_key(gran, reshard)]
                     root = psi if gran == "model" else psi_root
                     want = traffic(psi, root, replicas, shard, 4, reshard)
-                    sent = got["comm"].bytes
-                    for kind in KINDS:
-                        if sent.get(kind, 0) != round(want[kind]):
-                            raise CheckFailed(
-                                f"rank {r}, {_key(gran, reshard)}: {kind} sent {sent.get(kind, 0)} B in a step, "
-                                f"expected {round(want[kind])} B (algorithmic bytes of the closed form)")
-                    other = sorted(set(sent) - set(KINDS))
-                    if other:
-                        raise CheckFailed(f"rank {r}, {_key(gran, reshard)}: unexpected collectives {other}")
+                    expect(len(got["comm"]) == steps, f"rank {r}, {_key(gran, reshard)}: {len(got['comm'])} "
+                           f"metered steps, expected {steps}")
+                    for k, stats in enumerate(got["comm"]):
+                        at, when = f"rank {r}, {_key(gran, reshard)}", f"in step {k}" if steps > 1 else "in a step"
+                        sent = stats.bytes
+                        for kind in KINDS:
+                            if sent.get(kind, 0) != round(want[kind]):
+                                raise CheckFailed(f"{at}: {kind} sent {sent.get(kind, 0)} B {when}, expected "
+                                                  f"{round(want[kind])} B (algorithmic bytes of the closed form)")
+                        other = sorted(set(sent) - set(KINDS))
+                        if other:
+                            raise CheckFailed(f"{at}: unexpected collectives {other} {when}")
                     if check_state and got["state"].total != 12 * psi // shard:
                         raise CheckFailed(f"rank {r}: model states {got['state'].total} B after a step, expected "
                                           f"12Ψ/S = {12 * psi // shard} B (fp32 param + grad + momentum, sharded over "
