@@ -153,7 +153,7 @@ def _on_grad(self, p):
 
 @pytest.mark.parametrize("source, why", [
     (SYNC_AT_THE_END, "bucket(s) were complete but 0 reduce-scatter(s) had started"),
-    (ALL_REDUCE, "during backward expected only reduce-scatters, saw {'all_reduce'"),
+    (ALL_REDUCE, "during backward and _retire() expected only reduce-scatters, saw {'all_reduce'"),
 ], ids=["sync-at-the-end", "all-reduce"])
 def test_right_values_at_the_wrong_time_or_cost_fail_the_when_line(source, why, no_orphans):
     out = _case("backward", answers(LAB, replace={"_on_grad": source}), 2)

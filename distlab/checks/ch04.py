@@ -296,10 +296,10 @@ class BackwardTask(Task):
             x, y = _my_batch(0, n, r, inputs)
             lm_loss(model, x, y).backward()
             pending = len(opt.pending)
+            left = [k for k, p in model.named_parameters() if p.grad is not None]
+            distlab.engine.runtime.progress(f"_retire() after backward, {n} ranks")
+            opt._retire()          # inside the meter: the chunks judged come from the calls it counts
             comm = meter.stats()
-        left = [k for k, p in model.named_parameters() if p.grad is not None]
-        distlab.engine.runtime.progress(f"_retire() after backward, {n} ranks")
-        opt._retire()
         return {"log": log, "pending": pending, "comm": comm, "left": left,
                 "buckets": describe(opt.buckets, names),
                 "shards": [b.grad_shard.detach().float().clone() for b in opt.buckets]}
@@ -334,8 +334,8 @@ class BackwardTask(Task):
             for r, out in enumerate(outputs):
                 buckets = [set(b["params"]) for b in out["buckets"]]
                 calls = out["comm"].calls
-                expect(set(calls) <= {"reduce_scatter"}, f"rank {r}: during backward expected only "
-                       f"reduce-scatters, saw {calls}")
+                expect(set(calls) <= {"reduce_scatter"}, f"rank {r}: during backward and _retire() expected "
+                       f"only reduce-scatters, saw {calls}")
                 expect(calls.get("reduce_scatter", 0) == len(buckets) >= 2,
                        f"rank {r}: {calls.get('reduce_scatter', 0)} reduce-scatters during backward for "
                        f"{len(buckets)} buckets: one per bucket")
@@ -408,13 +408,14 @@ class StepTask(Task):
             for step in range(STEPS):
                 distlab.engine.runtime.progress(f"{recipe}, {variant} weights, {n} ranks, step {step}")
                 x, y = _my_batch(step, n, r, inputs)
+                # every step whose parameters the values line judges is metered, and its traffic judged
                 with track_comm() as in_backward:
                     lm_loss(model, x, y).backward()
                 with track_comm() as in_step:
                     opt.step()
-                opt.zero_grad(set_to_none=True)
-                if step == 0:
-                    out[recipe, variant, "comm"] = (in_backward.stats(), in_step.stats(), len(opt.buckets))
+                    opt.zero_grad(set_to_none=True)
+                out.setdefault((recipe, variant, "comm"), []).append((in_backward.stats(), in_step.stats()))
+            out[recipe, variant, "buckets"] = len(opt.buckets)
             out[recipe, variant, "optimizer_state"] = model_state([], grads=[], optimizer=opt.optim).optimizer_state
             out[recipe, variant] = _params(model)
         return out
@@ -465,18 +466,25 @@ class StepTask(Task):
             return "12 B x its own chunks on each rank; together every trainable parameter once"
 
         def traffic() -> str:
-            psi = reference["tied", "psi"][0]
-            want = comm_bytes_per_rank(psi, n, stage=2, bytes_per_element=2)   # the bf16 recipe
-            for r, out in enumerate(outputs):
-                back, step, buckets = out["MixedPrecisionAdam", "tied", "comm"]
-                rs, ag = back.calls.get("reduce_scatter", 0), step.calls.get("all_gather", 0)
-                expect(set(back.calls) == {"reduce_scatter"} and rs == buckets,
-                       f"rank {r}: during backward expected {buckets} reduce-scatters (one per bucket), saw {back.calls}")
-                expect(set(step.calls) == {"all_gather"} and ag == buckets,
-                       f"rank {r}: during step() expected {buckets} all-gathers (one per bucket), saw {step.calls}")
-                total, slack = back.total_bytes + step.total_bytes, 2 * buckets * n * 2   # padding: < N per bucket
-                expect(abs(total - want) <= slack, f"rank {r}: sent {total} algorithmic bytes in one step; "
-                       f"expected 2Ψb(N-1)/N = {want:.0f}")
+            # every recipe's every step: the values line judges the parameters they made
+            for recipe, variant in case.args["configs"]:
+                b = RECIPES[recipe][2].itemsize
+                want = comm_bytes_per_rank(reference[variant, "psi"][0], n, stage=2, bytes_per_element=b)
+                for r, out in enumerate(outputs):
+                    buckets, steps = out[recipe, variant, "buckets"], out[recipe, variant, "comm"]
+                    at = f"rank {r}, {recipe}, {variant} weights"
+                    expect(len(steps) == STEPS, f"{at}: {len(steps)} metered steps, expected {STEPS}")
+                    for k, (back, step) in enumerate(steps):
+                        rs, ag = back.calls.get("reduce_scatter", 0), step.calls.get("all_gather", 0)
+                        expect(set(back.calls) == {"reduce_scatter"} and rs == buckets,
+                               f"{at}: during backward (step {k}) expected {buckets} reduce-scatters (one per "
+                               f"bucket), saw {back.calls}")
+                        expect(set(step.calls) == {"all_gather"} and ag == buckets,
+                               f"{at}: during step() and zero_grad() (step {k}) expected {buckets} all-gathers "
+                               f"(one per bucket), saw {step.calls}")
+                        total, slack = back.total_bytes + step.total_bytes, 2 * buckets * n * b   # padding: < N a bucket
+                        expect(abs(total - want) <= slack, f"{at}: sent {total} algorithmic bytes in step {k}; "
+                               f"expected 2Ψb(N-1)/N = {want:.0f}")
             return "one reduce-scatter and one all-gather per bucket, 2Ψb(N-1)/N algorithmic bytes per step"
 
         return [judged(match_line, matches), judged(state_line, state), judged(comm_line, traffic)]
