@@ -67,7 +67,8 @@ def add_parser(sub: Any) -> Any:
     g.add_argument("--cap", type=float, default=1800, metavar="S",
                    help="last-resort limit on one submission, in seconds (default 1800)")
     g.add_argument("--max-memory", type=float, default=6, metavar="GIB",
-                   help="memory limit of each process of a submission (RLIMIT_DATA), in GiB (default 6)")
+                   help="memory limit of a submission, in GiB (default 6): of each of its processes (RLIMIT_DATA) "
+                        "and of all of them together (private resident memory, sampled by the grader)")
     g.add_argument("--max-procs", type=int, default=512, metavar="N",
                    help="processes and threads one submission may run at once (RLIMIT_NPROC; default 512)")
     g.add_argument("--keep", type=Path, default=None, metavar="DIR",

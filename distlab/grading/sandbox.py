@@ -13,7 +13,11 @@ Linux the runner runs inside `bwrap` (`argv()`):
   submission) before anything else, so host files such as /etc/shadow are
   unreadable;
 - resource limits per process (`Limits`): processes and threads (per uid, so
-  per submission), memory (RLIMIT_DATA), CPU seconds, file size;
+  per submission), memory (RLIMIT_DATA), CPU seconds, file size; and per
+  submission, memory: this process adds up the private resident memory of
+  the submission's whole process tree twice a second and stops it past the
+  same limit (the kernel offers no per-submission memory limit without
+  cgroups, which an instructor's account rarely may create);
 - a filesystem that holds only the system directories, the Python
   environment and the `distlab` package, all read-only: no `solutions/`, no
   `labs/`, no grader files, no other submission; a private `/tmp`;
@@ -78,7 +82,8 @@ class Limits:
     """Resource limits of one submission's processes (0: none)."""
 
     procs: int = 512                 # processes + threads of its uid (a fork or thread bomb stops here)
-    memory_bytes: int = 6 << 30      # RLIMIT_DATA of each process (heap and anonymous mappings: tensors)
+    memory_bytes: int = 6 << 30      # RLIMIT_DATA of each process (heap and anonymous mappings: tensors), and
+                                     # the private resident memory of all its processes together (`_tree_bytes`)
     cpu_s: float = 0.0               # RLIMIT_CPU of each process; 0: the submission cap
 
     def job(self, cap_s: float) -> dict:
@@ -200,6 +205,7 @@ class Outcome:
     failure: str = ""
     seconds: float = 0.0
     cpu_s: float = 0.0          # CPU seconds of the runner, its fork server and every rank (when it finished)
+    peak_bytes: int = 0         # the most private resident memory its processes held together (sampled)
 
 
 _slots: set[int] = set()
@@ -265,8 +271,10 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
         feeder = threading.Thread(target=_feed, args=(proc, json.dumps(job).encode()), daemon=True)
         feeder.start()      # a thread: the runner reads its job only after importing torch
         try:
-            code = _wait(proc, cap_s, overflow)
-            if overflow.is_set():
+            code = _wait(proc, cap_s, overflow, limits.memory_bytes, out)
+            if out.failure:
+                code = None
+            elif overflow.is_set():
                 code = None
                 out.failure = (f"its ranks sent more than {max_result_bytes >> 20} MiB of results: stopped "
                                "at once, not graded")
@@ -292,15 +300,46 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
     return out
 
 
-def _wait(proc: subprocess.Popen, cap_s: float, overflow: threading.Event) -> int | None:
-    """The runner's exit code; None when it ran past `cap_s` or its results overflowed (then it is stopped)."""
-    deadline = time.monotonic() + cap_s
+def _wait(proc: subprocess.Popen, cap_s: float, overflow: threading.Event, memory_bytes: int = 0,
+          out: Outcome | None = None) -> int | None:
+    """The runner's exit code; None when it ran past `cap_s`, its results overflowed, or its processes together
+    held more than `memory_bytes` (then `out.failure` says so); the caller stops it."""
+    deadline, sample = time.monotonic() + cap_s, 0
     while True:
         try:
             return proc.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             if overflow.is_set() or time.monotonic() >= deadline:
                 return None
+        sample += 1
+        if memory_bytes and out is not None and sample % 2 == 0:
+            held = _tree_bytes(proc.pid)
+            out.peak_bytes = max(out.peak_bytes, held)
+            if held > memory_bytes:
+                out.failure = (f"its processes together held {held / (1 << 30):.1f} GiB, past the submission's "
+                               f"memory limit ({memory_bytes / (1 << 30):g} GiB, --max-memory): stopped, not graded")
+                return None
+
+
+def _tree_bytes(pid: int) -> int:
+    """Private resident memory of `pid` and every process below it: each one's resident set less its
+    file-backed and shared pages (/proc/PID/statm; cheap enough to sample twice a second). Pages a rank
+    still shares copy-on-write with the fork server count in each: an overcount of at most the fork
+    server's own heap per rank, never an undercount."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in tree:
+        try:
+            m = p.memory_info()
+            total += max(0, m.rss - getattr(m, "shared", 0))
+        except psutil.Error:
+            pass
+    return total
 
 
 def _feed(proc: subprocess.Popen, data: bytes) -> None:
