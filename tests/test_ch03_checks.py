@@ -9,7 +9,7 @@ import time
 
 from distlab.checks import run_task
 from distlab.checks.ch03 import TASKS
-from labkit import answers
+from labkit import answer_sources, answers
 
 LAB = "03_zero1"
 
@@ -48,6 +48,27 @@ def test_an_optimizer_on_every_parameter_fails_the_shard_line(no_orphans):
     assert out[0].startswith("PASS") and out[1].startswith("PASS"), out
     assert out[2].startswith("FAIL ShardedOptimizer.__init__, 2 ranks: the inner optimizer holds this rank's shard "
                              "only: frozen weights, rank 0: the inner optimizer holds 33664 elements, expected 16832"), out
+
+
+# No broadcast: rank 0's weights rebuilt from the package's seed (100 + rank in the notebook's check). Right
+# weights in the notebook; the weights judged must come from the metered construction's broadcast.
+REBUILT_START = ("        dist.broadcast(self.flat_param, src=0)\n", '''\
+        from distlab.course.data_parallel.reference import make_model, trainable
+        for v in ("frozen", "tied"):
+            mine = [q for _, q in trainable(make_model(v, dtype=first.dtype, seed=100 + self.rank))]
+            if len(mine) == len(self.params) and all(torch.equal(a, b) for a, b in zip(mine, self.params)):
+                zero = [q for _, q in trainable(make_model(v, dtype=first.dtype, seed=100))]
+                self.flat_param[:numel].copy_(torch.cat([q.detach().reshape(-1) for q in zero]))
+''')
+
+
+def test_rank_0_s_weights_rebuilt_without_a_broadcast_fail_the_start_line(no_orphans):
+    src = answer_sources(LAB)[0]
+    assert REBUILT_START[0] in src, "the solution changed: update this test"
+    out = _lines(_only("init"), answers(LAB, replace={"ShardedOptimizer": src.replace(*REBUILT_START)}))
+    assert out[0].startswith("PASS") and out[2].startswith("PASS"), out
+    assert out[1] == ("FAIL ShardedOptimizer.__init__, 2 ranks: starts from rank 0's weights: frozen weights, rank 0: "
+                      "construction called nothing; expected broadcast only (rank 0's weights to every rank)"), out
 
 
 # Buffers made without device=: on a GPU they would be CPU tensors; the audit refuses them at the broadcast.

@@ -27,7 +27,6 @@ task's `inputs`) and each rank receives only its own shard and its own weights.
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -165,10 +164,11 @@ class InitTask(Task):
                                      f"{str(dtype).replace('torch.', '')}")
             model = (make_model(variant, dtype=dtype, seed=SEED_OFFSET + distlab.rank()) if inputs is None
                      else load_weights(make_model(variant, dtype=dtype), inputs, f"{variant}."))
-            opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
+            with track_comm() as comm:       # the weights judged come from the calls it counts
+                opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
             fp, fg = opt.flat_param, opt.flat_grad
             out[variant] = {
-                "params": _named(model),
+                "params": _named(model), "comm": comm.stats(),
                 "flat": [(t.numel(), t.dtype, str(t.device)) + _where(t) for t in (fp, fg)],
                 "views": {k: (_where(p), None if p.grad is None else _where(p.grad))
                           for k, p in model.named_parameters()},
@@ -221,6 +221,10 @@ class InitTask(Task):
             for variant in LAYOUT_DTYPES:
                 _, want = reference[variant]
                 for r, out in enumerate(outputs):
+                    calls = out[variant]["comm"].calls
+                    expect(set(calls) <= {"broadcast"} and calls.get("broadcast", 0) >= 1,
+                           f"{variant} weights, rank {r}: construction called {calls or 'nothing'}; expected "
+                           "broadcast only (rank 0's weights to every rank)")
                     for k, v in want.items():
                         compare(out[variant]["params"][k], v, atol=0, rtol=0, what=f"rank {r}'s {k}")
             return "every rank holds rank 0's weights"
@@ -383,14 +387,15 @@ class StepTask(Task):
                 for step in range(STEPS):
                     distlab.engine.runtime.progress(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights, step {step}")
                     x, y = _batch(step, r, n, inputs)
-                    with track_comm() if step == 0 else nullcontext() as comm:  # backward and step() together
+                    # every step whose parameters are judged is metered: backward and step() together
+                    with track_comm() as comm:
                         lm_loss(model, x, y).backward()
                         opt.step()
-                    if step == 0:
-                        out[recipe, variant, "comm"] = comm.stats()
                     if step == STEPS - 1:   # step boundary: parameters, gradients, optimizer states all live
                         out[recipe, variant, "state"] = model_state(model, optimizer=opt)
-                    opt.zero_grad(set_to_none=True)
+                    with track_comm() as cleared:
+                        opt.zero_grad(set_to_none=True)
+                    out.setdefault((recipe, variant, "comm"), []).append((comm.stats(), cleared.stats()))
                 out[recipe, variant] = {k: v.detach().float().clone() for k, v in model.named_parameters()}
         return out
 
@@ -408,9 +413,7 @@ class StepTask(Task):
                 verdicts.append(judged(lines.pop(0), lambda rc=recipe, v=variant: _matches(outputs, reference, rc, v)))
         for variant in ("frozen", "tied"):
             verdicts.append(judged(lines.pop(0), lambda v=variant: _sharded(outputs, reference, v, n)))
-        psi, _ = reference["psi", "frozen"]
-        want = round(comm_bytes_per_rank(psi, n, stage=1, bytes_per_element=4))   # AdamW, fp32
-        verdicts.append(judged(lines.pop(0), lambda: _step_traffic(outputs, want, n)))
+        verdicts.append(judged(lines.pop(0), lambda: _step_traffic(outputs, reference, n)))
         return verdicts
 
 
@@ -480,17 +483,29 @@ def _sharded(outputs: list, reference: dict, variant: str, n: int) -> str:
     return "each rank keeps 12 B x its own shard; together they cover every trainable parameter once"
 
 
-def _step_traffic(outputs: list, want: int, n: int) -> str:
-    for r, out in enumerate(outputs):
-        stats = out["AdamW", "frozen", "comm"]
-        rs, ag = stats.calls.get("reduce_scatter", 0), stats.calls.get("all_gather", 0)
-        others = {k: v for k, v in stats.calls.items() if k not in ("reduce_scatter", "all_gather")}
-        expect(not others, f"rank {r}: unexpected collectives in a step: {others}")
-        expect(rs >= 1 and rs == ag, f"rank {r}: {rs} reduce-scatters and {ag} all-gathers; expected the same "
-                                     "number of each (one per flat buffer)")
-        slack = 2 * rs * n * 4   # padding to a multiple of N: at most N-1 elements per collective
-        expect(abs(stats.total_bytes - want) <= slack,
-               f"rank {r}: sent {stats.total_bytes} algorithmic bytes, expected 2*Psi*b*(N-1)/N = {want}")
+def _step_traffic(outputs: list, reference: dict, n: int) -> str:
+    """Every step of every recipe (each one's parameters are judged): its backward and step() (then its
+    zero_grad(), which communicates nothing)."""
+    first = ("AdamW", "frozen")           # said as before: "rank r: ..."; the others name their recipe
+    for recipe, variant in [first] + [(rc, v) for rc in RECIPES for v in ("frozen", "tied") if (rc, v) != first]:
+        b = RECIPES[recipe][2].itemsize
+        want = round(comm_bytes_per_rank(reference["psi", variant][0], n, stage=1, bytes_per_element=b))
+        at = "" if (recipe, variant) == first else f", {recipe}, {variant} weights"
+        for r, out in enumerate(outputs):
+            metered = out[recipe, variant, "comm"]
+            expect(len(metered) == STEPS, f"rank {r}{at}: {len(metered)} metered steps, expected {STEPS}")
+            for step, (stats, cleared) in enumerate(metered):
+                when = "" if step == 0 else f" (step {step})"
+                rs, ag = stats.calls.get("reduce_scatter", 0), stats.calls.get("all_gather", 0)
+                others = {k: v for k, v in stats.calls.items() if k not in ("reduce_scatter", "all_gather")}
+                expect(not others, f"rank {r}{at}: unexpected collectives in a step{when}: {others}")
+                expect(rs >= 1 and rs == ag, f"rank {r}{at}: {rs} reduce-scatters and {ag} all-gathers{when}; "
+                       "expected the same number of each (one per flat buffer)")
+                slack = 2 * rs * n * b   # padding to a multiple of N: at most N-1 elements per collective
+                expect(abs(stats.total_bytes - want) <= slack, f"rank {r}{at}: sent {stats.total_bytes} "
+                       f"algorithmic bytes{when}, expected 2*Psi*b*(N-1)/N = {want}")
+                expect(not cleared.calls, f"rank {r}{at}: zero_grad(){when} called {cleared.calls}; it "
+                       "communicates nothing")
     return "only reduce-scatter + all-gather, 2*Psi*b*(N-1)/N bytes per step"
 
 
