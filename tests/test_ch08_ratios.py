@@ -1,6 +1,8 @@
 """Issue 25 at a reduced size: a pipeline stage's peak activations, measured on 2 ranks, within 5 % of
 the model (micro-batches in flight + one backward's transient, measured apart); 1F1B's peak below
-GPipe's once m > p. (The bubble's ratio is a timing: the lecture's records carry it, no test holds it.)"""
+GPipe's once m > p; and the bubble of both schedules against the table simulated with the hop, the gap
+and the late receiver's round trip measured apart (`hop_s`): a ratio of timings on a shared 2-core box,
+held to 15 % (a model without the hop and the gap, the closed form, misses by about that at this size)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.course.pipeline.measure import sweep
+from distlab.course.pipeline.measure import bubble_of, hop_s, predicted_bubble, sweep
 from distlab.course.pipeline.simulate import gpipe_order, one_f_one_b_order
 from distlab.theory import pipeline as pt
 
@@ -70,3 +72,13 @@ def test_peak_activations_adds_the_transient():
     assert pt.peak_activations("gpipe", 4, 8, 3) == 8
     with pytest.raises(ValueError):
         pt.peak_activations("gpipe", 4, 8, 3, -1)
+
+
+def test_bubble_within_the_simulated_table():
+    cost, m, orders = 0.02, 4, {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+    costs = distlab.launch(hop_s, 2, _runner(), one_f_one_b_order, cost, 3, backend="gloo", stall=120)[0]
+    assert costs["hop"] > 0 and costs["gap"] > 0 and costs["late"] > 0
+    per_rank = distlab.launch(sweep, 2, _runner(), orders, (m,), cost, 3, backend="gloo", stall=120)
+    for name, order in orders.items():
+        model = predicted_bubble(order, 2, m, cost, costs["hop"], costs["gap"], costs["late"])
+        assert bubble_of(per_rank, name, m) / model == pytest.approx(1, abs=0.15), (name, costs)

@@ -48,6 +48,33 @@ def test_interleaved_and_zero_bubble_match_their_closed_forms():
         sim.simulate(lambda p, m, r: [("B", 0), ("F", 0)], 2, 1)
 
 
+def test_a_late_receiver_pays_the_round_trip():
+    # p = 2, m = 2, 1F1B, F = 1, B = 2, a message 0.1 to a waiting receiver. Rank 0 sends F1 at 2.1 while rank 1
+    # is in B0 until 4.1: rank 1's F1 and rank 0's B0 (which waits for its send of F1) start `late` after 4.1.
+    # Rank 0's B1 then waits for rank 1's B1 (ends 7.1 + late) and one hop: 9.3 with late = hop, 9.7 with 0.5.
+    kw = dict(t_f=1, t_b=2, t_p2p=0.1, rendezvous=True)
+    assert sim.makespan(sim.simulate(sim.one_f_one_b_order, 2, 2, **kw)) == pytest.approx(9.3)
+    assert sim.makespan(sim.simulate(sim.one_f_one_b_order, 2, 2, t_late=0.1, **kw)) == pytest.approx(9.3)
+    spans = sim.simulate(sim.one_f_one_b_order, 2, 2, t_late=0.5, **kw)
+    at = {(s["name"], s["rank"]): s["start"] for s in spans}
+    assert at["F1", 1] == at["B0", 0] == pytest.approx(4.1 + 0.5)
+    assert sim.makespan(spans) == pytest.approx(9.7)
+
+
+def test_stage_of_places_two_chunks_in_a_v():
+    # p = 2, v = 2, one micro-batch through 4 stages, each action 0.5, a message 0.1. Rank r holds chunks r and
+    # r + p by default (every boundary crosses ranks: 6 messages), or r and 2p - 1 - r as ZBV does (stages 1 and 2
+    # on rank 1: 4 messages).
+    table = [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]
+    kw = dict(t_f=1, t_b=1, v=2, t_p2p=0.1)
+    assert sim.makespan(sim.simulate(lambda p, m, r: table, 2, 1, **kw)) == pytest.approx(4.6)
+    v_shape = sim.simulate(lambda p, m, r: table, 2, 1, stage_of=lambda r, c: r if c == 0 else 3 - r, **kw)
+    assert sim.makespan(v_shape) == pytest.approx(4.4)
+    assert {s["name"] for s in v_shape if s["rank"] == 1} == {"F0.1", "F0.2", "B0.1", "B0.2"}
+    with pytest.raises(ValueError, match="stage_of"):
+        sim.simulate(lambda p, m, r: table, 2, 1, stage_of=lambda r, c: c, **kw)
+
+
 class _Clock:
     """A fake `time` for FixedCost: sleeping and computing advance it exactly."""
 

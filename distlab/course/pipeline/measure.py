@@ -129,7 +129,11 @@ def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: in
     `gap`: rank 1's time between its F and its B (the runner's bookkeeping between two actions, no
     message waited for), and `hop`: what each of the two messages adds beyond that,
     (window - the four spans - gap) / 2 (the message and the wake-up of the rank that waited).
-    The schedule model (`predicted_bubble`) takes both.
+    Both messages of such a step find their receiver waiting. Each repeat then runs one step of 1F1B's
+    table with m = 2 (rank 0: F0 F1 B0 B1; rank 1: F0 B0 F1 B1), where rank 0 sends F1 while rank 1 is
+    still in B0: `late`, rank 1's time from the end of its B0 to the start of its F1, is what a message
+    costs a receiver that posts its receive after the send (gloo then moves it only on the receiver's
+    "ready": a round trip). The schedule model (`predicted_bubble`) takes all three.
     """
     warnings.filterwarnings("ignore")
     r, p = rt.rank(), rt.world_size()
@@ -139,7 +143,9 @@ def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: in
     timed = FixedCost(stage, cost, cost, cost)
     run = pipeline_runner(runner, timed, micro)
     x, y = synthetic_batch(0, micro, stage.config)
-    hops, gaps = [], []
+    x2, y2 = synthetic_batch(0, 2 * micro, stage.config)
+    two = [("F", 0), ("F", 1), ("B", 0), ("B", 1)] if r == 0 else [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    hops, gaps, lates = [], [], []
     for rep in range(repeats + 1):
         tl = Timeline()
         timed.reset(tl)
@@ -154,19 +160,31 @@ def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: in
         window = max(r_[3] for r_ in rows) - min(r_[0] for r_ in rows)
         busy = sum(r_[1] - r_[0] + r_[3] - r_[2] for r_ in rows)
         gap = rows[-1][2] - rows[-1][1]
+        tl = Timeline()
+        timed.reset(tl)
+        dist.barrier()
+        run.step(two if p == 2 else schedule(p, 2, r), 2, x2 if r == 0 else None, y2 if r == p - 1 else None)
+        spans = {sp.name: (sp.start, sp.end) for sp in tl.finish()}
         if rep:
             gaps.append(gap)
             hops.append((window - busy - gap) / (2 * (p - 1)))
-    return {"hop": statistics.median(hops), "gap": statistics.median(gaps)}
+            lates.append(spans["F1"][0] - spans["B0"][1] if r == p - 1 else 0.0)
+    late = torch.tensor(lates, dtype=torch.float64, device=rt.device())
+    dist.broadcast(late, src=p - 1)                          # the last rank's, on every rank
+    sync()
+    return {"hop": statistics.median(hops), "gap": statistics.median(gaps), "late": statistics.median(late.tolist())}
 
 
-def predicted_bubble(schedule: Schedule, p: int, m: int, cost: float, hop: float, gap: float = 0.0) -> float:
-    """The bubble of `schedule` when F costs `cost`, B 2 `cost`, every message between ranks `hop`
-    seconds, sends wait for their receive (the runners' rendezvous) and a rank spends `gap` between
-    two actions: the schedule simulated (`distlab.course.pipeline.simulate`), idle share of its
-    window. With hop = gap = 0 it is (p - 1)/(m + p - 1) for GPipe and 1F1B."""
+def predicted_bubble(schedule: Schedule, p: int, m: int, cost: float, hop: float, gap: float = 0.0,
+                     late: float | None = None) -> float:
+    """The bubble of `schedule` when F costs `cost`, B 2 `cost`, a message between ranks `hop` seconds
+    after its send when the receiver waits for it and `late` after the receiver gets there when it was
+    sent first (default `hop`), sends wait for their receive (the runners' rendezvous) and a rank spends
+    `gap` between two actions: the schedule simulated (`distlab.course.pipeline.simulate`), idle share of
+    its window. With hop = gap = late = 0 it is (p - 1)/(m + p - 1) for GPipe and 1F1B."""
     from distlab.course.pipeline.simulate import simulate
-    return bubble(simulate(schedule, p, m, t_f=cost, t_b=2 * cost, t_p2p=hop, rendezvous=True, t_gap=gap))
+    return bubble(simulate(schedule, p, m, t_f=cost, t_b=2 * cost, t_p2p=hop, rendezvous=True, t_gap=gap,
+                           t_late=late))
 
 
 def bubble_of(per_rank: Sequence[Mapping[Any, Any]], name: str, m: int) -> float:
@@ -206,7 +224,11 @@ def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: in
     there), then `repeats` measured steps. Per schedule: `steps` (per measured step, this rank's F, B,
     W, or BW for a whole backward), `spans` (the first's), mean `loss` (of the last step, on the rank
     with the last chunk; None elsewhere), `comm`: the first measured step's sends and receives
-    between chunks, `grads` (of the last step) under their names in the whole model.
+    between chunks, `grads` (of the last step) under their names in the whole model, `chunks`: the
+    stages this rank holds, and for the schedules that run from a table (v > 1) `order`: this rank's
+    actions as PyTorch's table lists them, ("F" | "B" | "W", micro-batch, chunk) with chunk an index into
+    `chunks` (its "I", the input-gradient half of a split backward, is "B"), for
+    `distlab.course.pipeline.simulate`.
     """
     warnings.filterwarnings("ignore")
     from torch.distributed.pipelining import PipelineStage
@@ -241,8 +263,12 @@ def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: in
             steps.append(list(tl.finish()))
             if k == 0:
                 first_comm = comm.stats()
+        table = getattr(sched, "pipeline_order", None)
+        order = None if not table else [({"I": "B"}.get(a.computation_type.value, a.computation_type.value),
+                                         a.microbatch_index, chunks.index(a.stage_index))
+                                        for a in table[r] if a is not None]
         out[name] = {"spans": steps[0], "steps": steps, "loss": sum(float(v) for v in losses) / m if losses else None,
-                     "comm": first_comm,
+                     "comm": first_comm, "chunks": chunks, "order": order,
                      "grads": {st.full_names[k]: q.grad for st in stages for k, q in st.named_parameters()}}
     return out
 
@@ -262,6 +288,16 @@ def overheads_of(per_rank: Sequence[Mapping[str, Any]], name: str) -> dict[str, 
         gaps.append(gap)
         hops.append((window - busy - gap) / (2 * (len(rows) - 1)))
     return {"hop": statistics.median(hops), "gap": statistics.median(gaps)}
+
+
+def torch_order(per_rank: Sequence[Mapping[str, Any]], name: str) -> tuple[Callable[..., list], Callable[[int, int], int]]:
+    """PyTorch's own table of schedule `name` from a `torch_schedules` run, for `simulate`: the schedule
+    (p, m, r) -> rank r's actions, and `stage_of(r, c)` -> the stage of rank r's chunk c (ZBV's "V")."""
+    orders = [rank[name]["order"] for rank in per_rank]
+    chunks = [rank[name]["chunks"] for rank in per_rank]
+    if any(o is None for o in orders):
+        raise ValueError(f"{name} runs without a table: simulate the course's own order instead")
+    return (lambda p, m, r: orders[r]), (lambda r, c: chunks[r][c])
 
 
 def traced_pipeline(m: int, micro: int = 2) -> dict[str, Any]:

@@ -75,7 +75,8 @@ def zero_bubble_order(p: int, m: int, r: int) -> list[Action]:
 
 def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: float = 1.0, t_b: float = 2.0,
              t_w: float = 0.0, v: int = 1, t_p2p: float = 0.0, rendezvous: bool = False,
-             t_gap: float = 0.0) -> list[dict[str, Any]]:
+             t_gap: float = 0.0, t_late: float | None = None,
+             stage_of: Callable[[int, int], int] | None = None) -> list[dict[str, Any]]:
     """Spans {"rank", "name", "start", "end", "kind": "compute"} of every action, as `schedule` orders them.
 
     Names as on measured timelines: F<i>, B<i> (BW<i> for a backward that includes W), W<i>, with
@@ -83,7 +84,12 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     completes only once its receiver has posted the receive (gloo's point-to-point, and the
     course's runners, which wait for their sends before the next action): the sender's next action
     waits for that, and a message moves when both sides are there. `t_gap`: seconds a rank spends
-    between two of its actions when it waits for nothing (the runner's bookkeeping). Raises ValueError if the orders
+    between two of its actions when it waits for nothing (the runner's bookkeeping). `t_late`: seconds from
+    the moment a rank is free to the start of an action whose message was sent before it got there (default
+    `t_p2p`, and nothing without `rendezvous`): gloo moves a message only once its receiver has posted the
+    receive, so a receiver that comes late pays a round trip (its "ready" to the sender, the data back) where
+    one already waiting pays one way, `t_p2p` after the send. `stage_of(r, c)`: the stage rank r's chunk c
+    holds (default c p + r; ZBV's "V" places chunk 1 of rank r at 2p - 1 - r). Raises ValueError if the orders
     deadlock (an action waits for one that can never run), naming the rank and the action.
     """
     if p < 1 or m < 1 or v < 1:
@@ -91,7 +97,12 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     orders = [[(a[0], a[1], a[2] if len(a) > 2 else 0) for a in schedule(p, m, r)] for r in range(p)]
     split = {(r, i, c) for r in range(p) for k, i, c in orders[r] if k == "W"}
     n = p * v
-    pos = {(r, k, i, c * p + r): j for r in range(p) for j, (k, i, c) in enumerate(orders[r])}
+    place = stage_of or (lambda r, c: c * p + r)
+    owner = {place(r, c): r for r in range(p) for c in range(v)}          # stage -> its rank
+    if sorted(owner) != list(range(n)):
+        raise ValueError(f"stage_of must place the {n} stages 0..{n - 1} on the ranks, one each")
+    pos = {(r, k, i, place(r, c)): j for r in range(p) for j, (k, i, c) in enumerate(orders[r])}
+    late = t_p2p if t_late is None else t_late
     end: dict[tuple[str, int, int], float] = {}        # (kind, micro-batch, stage) -> end time
     ends: list[list[float]] = [[] for _ in range(p)]   # per rank, the end of each action run so far
     free, nxt, spans = [0.0] * p, [0] * p, []
@@ -99,9 +110,9 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     def consumer(kind: str, i: int, s: int) -> tuple[int, int] | None:
         """(rank, position) of the action that receives what (kind, i, stage s) sends, if on another rank."""
         t = s + 1 if kind == "F" else s - 1 if kind == "B" else -1
-        if not 0 <= t < n or t % p == s % p:
+        if not 0 <= t < n or owner[t] == owner[s]:
             return None
-        return t % p, pos.get((t % p, kind, i, t))
+        return owner[t], pos.get((owner[t], kind, i, t))
 
     def posted(q: int, j: int) -> float | None:
         """When rank q posts the receive for its action j: when its previous action ended."""
@@ -110,16 +121,16 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
         return ends[q][j - 1] if len(ends[q]) >= j else None
 
     def ready(r: int, kind: str, i: int, c: int) -> float | None:
-        s = c * p + r
+        s = place(r, c)
         start = free[r] + (t_gap if nxt[r] else 0.0)
         if rendezvous and nxt[r] > 0:                   # my last action's send must have been received
             pk, pi, pc = orders[r][nxt[r] - 1]
-            to = consumer(pk, pi, pc * p + r)
+            to = consumer(pk, pi, place(r, pc))
             if to is not None and to[1] is not None:
                 at = posted(*to)
                 if at is None:
                     return None
-                start = max(start, max(ends[r][-1], at) + t_p2p)
+                start = max(start, ends[r][-1] + t_p2p, at + late)     # a late receiver: the round trip
         deps: list[tuple[str, int, int]] = []
         if kind == "F" and s > 0:
             deps.append(("F", i, s - 1))
@@ -132,11 +143,13 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
         for key in deps:
             if key not in end:
                 return None
-            remote = key[2] % p != r
+            remote = owner[key[2]] != r
             if not remote:
                 start = max(start, end[key])
             elif rendezvous:
-                start = max(start, max(end[key], free[r]) + t_p2p)
+                start = max(start, end[key] + t_p2p, free[r] + late)
+            elif t_late is not None:
+                start = max(start, end[key] + t_p2p, free[r] + t_late)
             else:
                 start = max(start, end[key] + t_p2p)
         return start
@@ -152,7 +165,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
                     break
                 whole = kind == "B" and (r, i, c) not in split
                 cost = {"F": t_f, "B": t_b + (t_w if whole else 0.0), "W": t_w}[kind] / v
-                s = c * p + r
+                s = place(r, c)
                 end[(kind, i, s)] = start + cost
                 ends[r].append(start + cost)
                 free[r] = start + cost
