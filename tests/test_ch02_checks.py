@@ -64,6 +64,29 @@ def test_skipping_the_broadcast_fails_only_the_broadcast_line(no_orphans):
     assert all(line.startswith("PASS") for line in out[1:]), out
 
 
+# No broadcast either, but rank 0's weights rebuilt from the package's seed (100 + rank in the notebook's check):
+# right weights in the notebook; the weights judged must come from the metered construction's broadcasts.
+REBUILT_RANK0 = '''
+from distlab.course.data_parallel.reference import make_model as _mk
+class NaiveDDP(NaiveDDP):
+    def __init__(self, module):
+        torch.nn.Module.__init__(self)
+        self.module = module
+        mine = _mk("plain", seed=100 + dist.get_rank())
+        if all(torch.equal(a, b.to(a.device)) for a, b in zip(module.parameters(), mine.parameters())):
+            with torch.no_grad():
+                for a, b in zip(module.parameters(), _mk("plain", seed=100).parameters()):
+                    a.copy_(b)
+'''
+
+
+def test_rank_0_s_weights_rebuilt_without_a_broadcast_fail_the_broadcast_line(no_orphans):
+    out = _lines(_only("naive"), answers(LAB, replace={"NaiveDDP": REBUILT_RANK0}))
+    assert out[0] == ("FAIL NaiveDDP: initial broadcast from rank 0: rank 0: construction called nothing; expected "
+                      "broadcast only (rank 0's weights to every rank)"), out     # the values matched: rank 1's too
+    assert all(line.startswith("PASS") for line in out[1:]), out
+
+
 # A "rung 2" that is rung 1 again: right values and bytes, but nothing overlaps backward.
 NAIVE_AS_OVERLAPPED = '''
 class OverlappedDDP(NaiveDDP):

@@ -68,7 +68,7 @@ def test_rank_0_s_weights_rebuilt_without_a_broadcast_fail_the_start_line(no_orp
     out = _lines(_only("init"), answers(LAB, replace={"ShardedOptimizer": src.replace(*REBUILT_START)}))
     assert out[0].startswith("PASS") and out[2].startswith("PASS"), out
     assert out[1] == ("FAIL ShardedOptimizer.__init__, 2 ranks: starts from rank 0's weights: frozen weights, rank 0: "
-                      "construction called nothing; expected broadcast only (rank 0's weights to every rank)"), out
+                      "construction called nothing; expected broadcast only (rank 0's weights to every rank)"), out   # values matched
 
 
 # Buffers made without device=: on a GPU they would be CPU tensors; the audit refuses them at the broadcast.

@@ -26,7 +26,6 @@ a bucket, in which order, and where each gradient view sits in the flat buffer.
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -127,8 +126,9 @@ class WrapperTask(Task):
         if case.args.get("broadcast"):
             distlab.engine.runtime.progress(f"{self.cls}({n} ranks): the broadcast at construction")
             start = _start_model("plain", r, inputs, "start.")     # every rank starts different ...
-            Wrapper(start, **self.kwargs)                          # ... until the broadcast
-            out["broadcast"] = _named(start)
+            with track_comm() as built:                            # ... until the broadcast, metered
+                Wrapper(start, **self.kwargs)
+            out["broadcast"], out["broadcast", "comm"] = _named(start), built.stats()
         for variant in ("frozen", "tied"):
             distlab.engine.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights: wrapping the model")
             model = make_model(variant)
@@ -137,16 +137,15 @@ class WrapperTask(Task):
             for step in range(STEPS):
                 distlab.engine.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights, step {step}")
                 x, y = _batch(step, r, n, inputs)
-                metered = step == 0   # the meter costs Python time per op: one step is enough
-                with track_comm() if metered else nullcontext() as in_backward:
+                # every step whose parameters are judged is metered, and its traffic judged
+                with track_comm() as in_backward:
                     lm_loss(ddp, x, y).backward()
-                with track_comm() if metered else nullcontext() as in_finish:
+                with track_comm() as in_finish:
                     ddp.finish_gradient_synchronization()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                if metered:
-                    out[variant, "comm"] = (in_backward.stats(), in_finish.stats())
-                    out[variant, "buckets"] = len(getattr(ddp, "buckets", None) or [])
+                out.setdefault((variant, "comm"), []).append((in_backward.stats(), in_finish.stats()))
+            out[variant, "buckets"] = len(getattr(ddp, "buckets", None) or [])
             out[variant] = _named(model)
         return out
 
@@ -166,7 +165,7 @@ class WrapperTask(Task):
         n, lines = case.world_size, list(case.lines)
         verdicts = []
         if case.args.get("broadcast"):
-            verdicts.append(judged(lines.pop(0), lambda: _same_as_rank0(outputs, reference["broadcast"])))
+            verdicts.append(judged(lines.pop(0), lambda: _same_as_rank0(outputs, reference["broadcast"], "broadcast")))
         for variant in ("frozen", "tied"):
             verdicts.append(judged(lines.pop(0), lambda v=variant: _matches(outputs, reference[v], v)))
         verdicts.append(judged(lines.pop(0), lambda: self._traffic(outputs, reference, n)))
@@ -176,27 +175,30 @@ class WrapperTask(Task):
         psi, params = reference[variant, "psi"], reference[variant, "trainable"]
         want = round(comm_bytes_per_rank(psi, n, stage=0, bytes_per_element=4))   # fp32 gradients
         for r, out in enumerate(outputs):
-            in_backward, in_finish = out[variant, "comm"]
-            calls = {k: in_backward.calls.get(k, 0) + in_finish.calls.get(k, 0)
-                     for k in set(in_backward.calls) | set(in_finish.calls)}
-            others = {k: v for k, v in calls.items() if k != "all_reduce"}
-            expect(not others, f"rank {r}: unexpected collectives during the step: {others}")
-            got = calls.get("all_reduce", 0)
-            if self.per == "bucket":
-                buckets = out[variant, "buckets"]
-                expect(buckets > 1, f"rank {r}: expected several buckets of {BUCKET_MB} MiB, found {buckets}")
-                expect(got == buckets, f"rank {r}: {got} all-reduces for {buckets} buckets: one per bucket")
-            else:
-                expect(got == params, f"rank {r}: {got} all-reduces, expected one per trainable parameter "
-                                      f"({params})")
-            if self.overlaps:
-                late = in_finish.calls.get("all_reduce", 0)
-                expect(late == 0, f"rank {r}: {late} of {got} all-reduces started in "
-                                  "finish_gradient_synchronization(); launch them from the hooks, during backward")
-            sent = in_backward.total_bytes + in_finish.total_bytes
-            # Each all-reduce's bytes are rounded on their own: allow one byte per call.
-            expect(abs(sent - want) <= got,
-                   f"rank {r}: sent {sent} algorithmic bytes, expected 2*Psi*4*(N-1)/N = {want}")
+            steps = out[variant, "comm"]
+            expect(len(steps) == STEPS, f"rank {r}: {len(steps)} metered steps, expected {STEPS}")
+            for step, (in_backward, in_finish) in enumerate(steps):   # every step: its parameters are judged
+                at = f"rank {r}" + (f" (step {step})" if step else "")
+                calls = {k: in_backward.calls.get(k, 0) + in_finish.calls.get(k, 0)
+                         for k in set(in_backward.calls) | set(in_finish.calls)}
+                others = {k: v for k, v in calls.items() if k != "all_reduce"}
+                expect(not others, f"{at}: unexpected collectives during the step: {others}")
+                got = calls.get("all_reduce", 0)
+                if self.per == "bucket":
+                    buckets = out[variant, "buckets"]
+                    expect(buckets > 1, f"{at}: expected several buckets of {BUCKET_MB} MiB, found {buckets}")
+                    expect(got == buckets, f"{at}: {got} all-reduces for {buckets} buckets: one per bucket")
+                else:
+                    expect(got == params, f"{at}: {got} all-reduces, expected one per trainable parameter "
+                                          f"({params})")
+                if self.overlaps:
+                    late = in_finish.calls.get("all_reduce", 0)
+                    expect(late == 0, f"{at}: {late} of {got} all-reduces started in "
+                                      "finish_gradient_synchronization(); launch them from the hooks, during backward")
+                sent = in_backward.total_bytes + in_finish.total_bytes
+                # Each all-reduce's bytes are rounded on their own: allow one byte per call.
+                expect(abs(sent - want) <= got,
+                       f"{at}: sent {sent} algorithmic bytes, expected 2*Psi*4*(N-1)/N = {want}")
         when = ", all launched during backward" if self.overlaps else ""
         return f"one all-reduce per {self.per}{when}, 2*Psi*4*(N-1)/N bytes"
 
@@ -213,12 +215,19 @@ def _wrapper_reference() -> dict:
     return ref
 
 
-def _same_as_rank0(outputs: list, want: dict) -> str:
+def _same_as_rank0(outputs: list, want: dict, key: Any) -> str:
+    """Every rank's weights after construction (`out[key]`) are rank 0's, and came from the broadcasts the
+    construction's meter counted (`out[key, "comm"]`): values and traffic of one execution."""
     for r, out in enumerate(outputs):
-        got = out["broadcast"]
+        got = out[key]
         expect(got.keys() == want.keys(), f"rank {r} returned different parameter names")
         for k in want:
             compare(got[k], want[k], atol=0, rtol=0, what=f"rank {r}'s {k}")
+    for r, out in enumerate(outputs):
+        calls = out[key, "comm"].calls
+        expect(set(calls) <= {"broadcast"} and calls.get("broadcast", 0) >= 1,
+               f"rank {r}: construction called {calls or 'nothing'}; expected broadcast only (rank 0's weights "
+               "to every rank)")
     return "every rank holds rank 0's weights"
 
 
@@ -253,7 +262,9 @@ class BucketLayoutTask(Task):
             distlab.engine.runtime.progress(f"BucketedDDP.__init__, {distlab.world_size()} ranks, {variant} weights")
             model = _start_model(variant, distlab.rank(), inputs, f"{variant}.")
             names = {id(p): k for k, p in model.named_parameters()}
-            ddp = Wrapper(model, bucket_size_mb=BUCKET_MB)
+            with track_comm() as built:          # the weights judged come from the calls it counts
+                ddp = Wrapper(model, bucket_size_mb=BUCKET_MB)
+            out[variant, "comm"] = built.stats()
             out[variant] = {
                 "buckets": [[names.get(id(p), "(not a parameter of the model)") for p in b.params]
                             for b in ddp.buckets],
@@ -335,9 +346,8 @@ class BucketLayoutTask(Task):
 
         def broadcast() -> str:
             for variant in ("frozen", "tied"):
-                for r, out in enumerate(outputs):
-                    for k, want in reference[variant]["params"].items():
-                        compare(out[variant]["params"][k], want, atol=0, rtol=0, what=f"rank {r}'s {k}")
+                _same_as_rank0([{"start": out[variant]["params"], ("start", "comm"): out[variant, "comm"]}
+                                for out in outputs], reference[variant]["params"], "start")
             return "every rank holds rank 0's weights"
 
         return [judged(order, layout), judged(views, in_place), judged(start, broadcast)]

@@ -221,12 +221,13 @@ class InitTask(Task):
             for variant in LAYOUT_DTYPES:
                 _, want = reference[variant]
                 for r, out in enumerate(outputs):
+                    for k, v in want.items():
+                        compare(out[variant]["params"][k], v, atol=0, rtol=0, what=f"rank {r}'s {k}")
+                for r, out in enumerate(outputs):   # ... made by the broadcasts its construction's meter counted
                     calls = out[variant]["comm"].calls
                     expect(set(calls) <= {"broadcast"} and calls.get("broadcast", 0) >= 1,
                            f"{variant} weights, rank {r}: construction called {calls or 'nothing'}; expected "
                            "broadcast only (rank 0's weights to every rank)")
-                    for k, v in want.items():
-                        compare(out[variant]["params"][k], v, atol=0, rtol=0, what=f"rank {r}'s {k}")
             return "every rank holds rank 0's weights"
 
         def shard() -> str:
