@@ -298,18 +298,20 @@ class TrainTask(Task):
     def _model(self, device: Any) -> torch.nn.Module:
         return build_tp_model(CFG, seed=4, device=device, n_layers=self.LAYERS)
 
-    def _steps(self, model: torch.nn.Module, meter: bool) -> tuple[list[float], Any]:
+    def _steps(self, model: torch.nn.Module, meter: bool) -> tuple[list[float], list]:
+        """`meter`: each step's forward and backward metered (every step: the parameters after all of them are
+        judged); the traffic of each, in order."""
         from distlab.course.models import lm_loss, synthetic_batch
         opt = make_optimizer(model.parameters())
-        losses, stats = [], None
+        losses, stats = [], []
         for step in range(STEPS):
             distlab.engine.runtime.progress(f"train: step {step}")
             x, y = synthetic_batch(step, B, CFG, device=next(model.parameters()).device)
-            with track_comm() if meter and step == 0 else contextlib.nullcontext() as m:
+            with track_comm() if meter else contextlib.nullcontext() as m:
                 loss = lm_loss(model, x, y)
                 loss.backward()
             if m is not None:
-                stats = m.stats()
+                stats.append(m.stats())
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
@@ -345,7 +347,10 @@ class TrainTask(Task):
             calls = 4 * self.LAYERS
             total = round(self.LAYERS * tp_block_bytes(B * CFG.seq_len, CFG.d_model, t, bytes_per_element=E))
             for r, out in enumerate(outputs):
-                expect_traffic(f"rank {r}, one step", out["comm"], {"all_reduce": (calls, total)})
+                expect(len(out["comm"]) == STEPS, f"rank {r}: {len(out['comm'])} metered steps, expected {STEPS}")
+                for step, stats in enumerate(out["comm"]):
+                    expect_traffic(f"rank {r}, " + (f"step {step}" if step else "one step"), stats,
+                                   {"all_reduce": (calls, total)})
             return f"{calls} all-reduces of B x S x h per step: 2 forward + 2 backward per block"
 
         return [judged(case.lines[0], values), judged(case.lines[1], traffic)]

@@ -112,6 +112,7 @@ class SPBlockTask(Task):
         spb = answer(block(5).to(dev))
         opt = make_optimizer(spb.parameters())
         first: dict[str, Any] = {}
+        traffic = []          # every step's: the parameters after all of them are judged
         for step in range(STEPS):
             distlab.engine.runtime.progress(f"sp_block: step {step}")
             x, target = (z.to(dev) for z in self._batch(step, r, t))
@@ -123,13 +124,13 @@ class SPBlockTask(Task):
                 loss.backward()
             with track_comm() as sync:
                 spb.allreduce_replicated_grads()
+            traffic.append({"fwd": fwd.stats(), "bwd": bwd.stats(), "sync": sync.stats()})
             if step == 0:
-                first = {"out": y.detach(), "x_grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats(),
-                         "sync": sync.stats(), "grads": {k: p.grad.clone() for k, p in spb.named_parameters()
-                                                         if p.grad is not None}}
+                first = {"out": y.detach(), "x_grad": x.grad, "grads": {k: p.grad.clone() for k, p in
+                                                                      spb.named_parameters() if p.grad is not None}}
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return {**first, "params": {k: p.detach() for k, p in spb.named_parameters()}}
+        return {**first, "traffic": traffic, "params": {k: p.detach() for k, p in spb.named_parameters()}}
 
     def reference(self, case: Case) -> dict:
         ref = block(5)
@@ -178,12 +179,15 @@ class SPBlockTask(Task):
             two = (2, 2 * half_of(numel, t)[1])
             ln = all_reduce_of(6 * h, t)[1]     # LayerNorms 4h, row-parallel biases 2h
             for r, out in enumerate(outputs):
-                expect_traffic(f"rank {r}, forward", out["fwd"], {"all_gather": two, "reduce_scatter": two})
-                expect_traffic(f"rank {r}, backward", out["bwd"], {"all_gather": two, "reduce_scatter": two})
-                sent = out["sync"].bytes
-                if set(sent) != {"all_reduce"} or sent["all_reduce"] != ln:
-                    raise CheckFailed(f"rank {r}, allreduce_replicated_grads: sent {dict(sent)} B; expected "
-                                      f"all-reduces of the 6h replicated gradients (LayerNorms, row biases): {ln} B")
+                expect(len(out["traffic"]) == STEPS, f"rank {r}: {len(out['traffic'])} metered steps, expected {STEPS}")
+                for step, got in enumerate(out["traffic"]):       # every step: its parameters are judged
+                    at = f"rank {r}" + (f" (step {step})" if step else "")
+                    expect_traffic(f"{at}, forward", got["fwd"], {"all_gather": two, "reduce_scatter": two})
+                    expect_traffic(f"{at}, backward", got["bwd"], {"all_gather": two, "reduce_scatter": two})
+                    sent = got["sync"].bytes
+                    if set(sent) != {"all_reduce"} or sent["all_reduce"] != ln:
+                        raise CheckFailed(f"{at}, allreduce_replicated_grads: sent {dict(sent)} B; expected "
+                                          f"all-reduces of the 6h replicated gradients (LayerNorms, row biases): {ln} B")
             return ("per block 2 all-gathers + 2 reduce-scatters forward and backward (the bytes of TP's "
                     "4 all-reduces), and the replicated parameters' gradients")
 
