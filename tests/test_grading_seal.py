@@ -114,6 +114,8 @@ LEARNER = textwrap.dedent('''
         box = []
         sys.audit("distlab.pg.op", group, "allreduce", box, ([torch.ones(2)],))    # forged: nothing runs
         out["forged_ran"] = bool(box)
+        import importlib
+        importlib.import_module("_testinternalcapi")    # CPython's internals, with no audit events of their own
         print("RESULT " + json.dumps(out))
 
 
@@ -143,4 +145,4 @@ def test_the_hook_is_out_of_reach_and_its_routes_are_booked_or_refused(tmp_path)
     assert log.op_calls == {"all_reduce": 1}, log.op_calls     # the real call, not the forged one
     text = "\n".join(log.evidence)
     assert "set_eval_frame" in text and "forged distlab.pg.op" in text, text
-    assert "gc.get_referents" in text, text        # the walk itself is booked, before it returned anything
+    assert "gc.get_referents" in text and "_testinternalcapi" in text, text        # the walk itself is booked, before it returned anything

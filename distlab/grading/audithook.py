@@ -63,7 +63,7 @@ from typing import Any
 
 # Events worth a record when learner code caused them. "open" is filtered by path and mode below.
 WATCH = frozenset({
-    "sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
+    "sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "object.__setattr__", "object.__delattr__",
     "code.__new__", "function.__new__", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
     "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
@@ -75,7 +75,7 @@ WATCH = frozenset({
 PREFIXES = ("ctypes.", "socket.", "_posixsubprocess.")
 # booked whenever learner code is anywhere on the stack (see the module docstring)
 ANYWHERE = frozenset({
-    "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.get_objects",
+    "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.get_objects",
     "gc.get_referrers", "gc.get_referents", "code.__new__", "function.__new__", "os.system", "os.exec",
     "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
     "signal.pthread_kill", "mmap.__new__", "resource.setrlimit", "resource.prlimit",
@@ -83,6 +83,11 @@ ANYWHERE = frozenset({
 ANYWHERE_PREFIXES = ("ctypes.", "_posixsubprocess.", "socket.__new__", "socket.bind", "socket.connect",
                      "socket.sendto", "socket.sendmsg")
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_globals", "f_locals"})
+# CPython's test modules reach interpreter internals (frames, eval hooks, memory) with no audit events of their
+# own: importing one is booked whenever learner code is anywhere on the stack
+TEST_MODULES = frozenset({"_testcapi", "_testinternalcapi", "_testbuffer", "_testmultiphase", "_testclinic",
+                          "_testimportmultiple", "_ctypes_test", "_xxsubinterpreters", "_xxinterpchannels",
+                          "_xxtestfuzz", "_testsinglephase"})
 WATCHED_IMPORTS = frozenset({"ctypes", "_ctypes", "gc", "inspect", "subprocess", "socket", "pty", "signal",
                              "multiprocessing", "_posixsubprocess", "mmap", "resource", "fcntl"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -520,6 +525,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             if _type(path) is _str and not writes and startswith(path, libs) and "/.." not in path:
                 return
             send("ev", "open", safe(path) + (" for writing" if writes else ""), anywhere)
+            return
+        if anywhere and ev == "import" and args and _type(args[0]) is _str and args[0].split(".")[0] in TEST_MODULES:
+            send("ev", "import", args[0], cause or anywhere)
             return
         if anywhere and (ev in ANYWHERE or startswith(ev, ANYWHERE_PREFIXES)):
             detail = safe(args[1]) if startswith(ev, "object.") and _len(args) > 1 else safe(args[:2])
