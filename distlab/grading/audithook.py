@@ -63,7 +63,8 @@ from typing import Any
 
 # Events worth a record when learner code caused them. "open" is filtered by path and mode below.
 WATCH = frozenset({
-    "sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
+    "sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile",
+    "sys.addaudithook",
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "object.__setattr__", "object.__delattr__",
     "code.__new__", "function.__new__", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
     "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
@@ -75,7 +76,8 @@ WATCH = frozenset({
 PREFIXES = ("ctypes.", "socket.", "_posixsubprocess.")
 # booked whenever learner code is anywhere on the stack (see the module docstring)
 ANYWHERE = frozenset({
-    "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.get_objects",
+    "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
+    "gc.get_objects",
     "gc.get_referrers", "gc.get_referents", "code.__new__", "function.__new__", "os.system", "os.exec",
     "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
     "signal.pthread_kill", "mmap.__new__", "resource.setrlimit", "resource.prlimit",
