@@ -82,8 +82,8 @@ class NaiveDDP(NaiveDDP):
 
 def test_rank_0_s_weights_rebuilt_without_a_broadcast_fail_the_broadcast_line(no_orphans):
     out = _lines(_only("naive"), answers(LAB, replace={"NaiveDDP": REBUILT_RANK0}))
-    assert out[0] == ("FAIL NaiveDDP: initial broadcast from rank 0: rank 0: construction called nothing; expected "
-                      "broadcast only (rank 0's weights to every rank)"), out     # the values matched: rank 1's too
+    assert out[0] == ("FAIL NaiveDDP: initial broadcast from rank 0: rank 0: construction called nothing; rank 0's "
+                      "weights reach every rank by broadcast"), out     # the values matched: rank 1's too
     assert all(line.startswith("PASS") for line in out[1:]), out
 
 

@@ -150,6 +150,26 @@ def test_a_step_without_the_all_gather_fails_values_and_traffic(no_orphans):
                        "0 all-gathers; expected the same number of each (one per flat buffer)"), out
 
 
+# An honest first step, then an all-reduce of the whole gradient (twice the bytes): right values all along.
+LATER_ALL_REDUCE = '''
+_honest = ShardedOptimizer._reduce_scatter_grad
+@add_to_class(ShardedOptimizer)
+def _reduce_scatter_grad(self):
+    self.calls = getattr(self, "calls", 0) + 1
+    if self.calls == 1:
+        return _honest(self)
+    dist.all_reduce(self.flat_grad)
+    return self.flat_grad[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel] / self.world
+'''
+
+
+def test_every_step_s_traffic_is_judged_not_only_the_first(no_orphans):
+    out = _lines(_only("step"), answers(LAB, replace={"a": LATER_ALL_REDUCE}))
+    assert all(line.startswith("PASS") for line in out[:-1]), out
+    assert out[-1] == ("FAIL ShardedOptimizer, 2 ranks: collectives and bytes: rank 0: unexpected collectives in a "
+                       "step (step 1): {'all_reduce': 1}"), out
+
+
 # Rank 0 skips the all-gather of the first step: rank 1 waits for it forever.
 DEADLOCK = '''
 @add_to_class(ShardedOptimizer)

@@ -216,8 +216,9 @@ def _wrapper_reference() -> dict:
 
 
 def _same_as_rank0(outputs: list, want: dict, key: Any) -> str:
-    """Every rank's weights after construction (`out[key]`) are rank 0's, and came from the broadcasts the
-    construction's meter counted (`out[key, "comm"]`): values and traffic of one execution."""
+    """Every rank's weights after construction (`out[key]`) are rank 0's, and the construction's meter
+    (`out[key, "comm"]`) counted a broadcast: values and traffic of one execution. Other collectives may come
+    with it (PyTorch's DDP all-gathers the parameters' shapes first, a check a learner may copy)."""
     for r, out in enumerate(outputs):
         got = out[key]
         expect(got.keys() == want.keys(), f"rank {r} returned different parameter names")
@@ -225,9 +226,8 @@ def _same_as_rank0(outputs: list, want: dict, key: Any) -> str:
             compare(got[k], want[k], atol=0, rtol=0, what=f"rank {r}'s {k}")
     for r, out in enumerate(outputs):
         calls = out[key, "comm"].calls
-        expect(set(calls) <= {"broadcast"} and calls.get("broadcast", 0) >= 1,
-               f"rank {r}: construction called {calls or 'nothing'}; expected broadcast only (rank 0's weights "
-               "to every rank)")
+        expect(calls.get("broadcast", 0) >= 1, f"rank {r}: construction called {calls or 'nothing'}; rank 0's "
+               "weights reach every rank by broadcast")
     return "every rank holds rank 0's weights"
 
 
