@@ -2,17 +2,19 @@
 
 Each wrapper task trains the `"frozen"` and the `"tied"` model
 (`distlab.course.data_parallel.reference`) for four SGD steps on 2 and on 4 ranks and returns the
-parameters and one step's collectives, counted by the comm meter in two
+parameters and every step's collectives, counted by the comm meter in two
 windows: during `backward()` and during `finish_gradient_synchronization()`.
-On 2 ranks it first wraps a model built from a different seed on every rank.
+On 2 ranks it first wraps a model built from a different seed on every rank,
+the construction metered too.
 The verdict lines:
 
-- initial broadcast: after wrapping, every rank holds rank 0's weights;
+- initial broadcast: after wrapping, every rank holds rank 0's weights, and the
+  construction broadcast;
 - N ranks, frozen / tied weights: the parameters match one process on the
   whole batch (computed here, without learner code);
 - N ranks, collectives and bytes: only all-reduces, one per trainable
   parameter (naive, overlapped) or per bucket (bucketed), issued during
-  backward where the rung overlaps, 2Ψ·4·(N-1)/N algorithmic bytes in all.
+  backward where the rung overlaps, 2Ψ·4·(N-1)/N algorithmic bytes in each step.
 
 In the notebook every input is seeded by the package. Under `distlab grade`
 the batches and every rank's different starting weights are drawn from a

@@ -7,7 +7,8 @@ The tasks follow the lab's steps:
 
 - `init`: the constructor. Every `p.data` / `p.grad` is a view into the flat
   buffers (on the parameters' device, in their dtype), every rank starts from
-  rank 0's weights, and the inner optimizer holds exactly this rank's shard;
+  rank 0's weights (broadcast by the metered constructor, nothing else), and the
+  inner optimizer holds exactly this rank's shard;
 - `reduce_scatter_grad`: this rank's slice of the mean gradient, compared with
   one process's full-batch gradient; one reduce-scatter, (N-1)/N·S bytes;
 - `all_gather_params`: every rank's shard lands in every rank's parameters;
@@ -16,8 +17,9 @@ The tasks follow the lab's steps:
   recipe (`MixedPrecisionAdam`) on the frozen and the tied model match one
   process on the whole batch (bf16: within two rounding steps, and at most 2%
   of the weights more than one step away); each rank keeps the optimizer states of its own
-  shard only; one step sends 2Ψ·b·(N-1)/N algorithmic bytes in reduce-scatters
-  and all-gathers, nothing else.
+  shard only; every step (each metered: the parameters after all of them are
+  judged) sends 2Ψ·b·(N-1)/N algorithmic bytes in reduce-scatters and
+  all-gathers, nothing else.
 
 Every reference is computed here, on the CPU, without learner code. In the
 notebook the batches and every rank's different starting weights are seeded by

@@ -6,11 +6,14 @@
    weights broadcast, rank r owning chunk r of every bucket.
 3. `backward` — `_on_grad` / `_retire`: during backward, one asynchronous
    reduce-scatter per bucket, launched as soon as the bucket's last gradient
-   is final; every `p.grad` freed; the summed gradient chunks right.
+   is final; every `p.grad` freed; the summed gradient chunks right (read
+   after `_retire()`, which runs inside the same meter window).
 4. `step` — `step` / `zero_grad`: the same parameters as one process on the
    whole batch (SGD, AdamW, bf16 + MixedPrecisionAdam; frozen and tied
    weights); optimizer state sharded; only reduce-scatters in backward and
-   as many all-gathers in the step, 2Ψb(N-1)/N algorithmic bytes in all.
+   as many all-gathers in the step, 2Ψb(N-1)/N algorithmic bytes in every
+   step of every recipe (each metered: the parameters after all of them are
+   judged).
 5. `memory` — no new code: held bytes at a step boundary are exactly
    2Ψ + 14Ψ/N (bf16 + MixedPrecisionAdam), and the memory meter's peak never
    holds a full-size gradient.
