@@ -10,7 +10,8 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
 - issue 28's attacks (kernel limits, DoS results) and the honest solution on the same case, a third class run;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
   covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
-  whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8). Unfilled labs:
+  whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8); beside it, in
+  labs 03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`). Unfilled labs:
   the class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
