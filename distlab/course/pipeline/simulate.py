@@ -110,7 +110,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     def consumer(kind: str, i: int, s: int) -> tuple[int, int] | None:
         """(rank, position) of the action that receives what (kind, i, stage s) sends, if on another rank."""
         t = s + 1 if kind == "F" else s - 1 if kind == "B" else -1
-        if not 0 <= t < n or owner[t] == owner[s]:
+        if not 0 <= t < n or owner[t] == owner.get(s, s % p):
             return None
         return owner[t], pos.get((owner[t], kind, i, t))
 
@@ -143,7 +143,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
         for key in deps:
             if key not in end:
                 return None
-            remote = owner[key[2]] != r
+            remote = owner.get(key[2], key[2] % p) != r          # (a chunk out of range: as the default placement)
             if not remote:
                 start = max(start, end[key])
             elif rendezvous:
