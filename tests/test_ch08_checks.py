@@ -93,7 +93,7 @@ def _on_rank(task, case, answers, drawn):
     return task.exercise(case, *answers, inputs=drawn[distlab.rank()])
 
 
-def graded_lines(task, ns, case_index=0):
+def graded_lines(task, ns, case_index=0, lab=LAB):
     """One case's verdict lines as `distlab grade` computes them (without its sandbox): every rank's inputs drawn
     from a fresh secret seed and carried as safetensors, the reference computed from them here, each rank given
     only its own."""
@@ -101,7 +101,7 @@ def graded_lines(task, ns, case_index=0):
     from distlab.checks.task import validate
     from distlab.engine.launch import launch
     from distlab.grading import secret
-    t = lab_module(LAB).TASKS[task]
+    t = lab_module(lab).TASKS[task]
     case = t.cases()[case_index]
     drawn = [secret.load(secret.blob(d)) for d in secret.draw(t, case)]
     outputs = launch(_on_rank, case.world_size, t, case, tuple(getattr(ns, a) for a in t.answers), drawn, stall=5)

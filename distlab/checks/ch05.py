@@ -18,7 +18,8 @@
 References are computed here, from the same seeded model and batches, without
 the learner's code. Under `distlab grade` the batches and every rank's different
 starting weights are drawn from a secret seed instead (`inputs`), and each rank
-receives only its own shard and weights. Every call whose values are judged is metered
+receives only its own shard and weights (for `forward` and `backward` too: the
+values judged are rank 0's model on each rank's rows). Every call whose values are judged is metered
 and its traffic judged: each training step's, not only the first's.
 """
 from __future__ import annotations
@@ -86,6 +87,29 @@ def _my_batch(step: int, n: int, r: int, inputs: dict | None) -> tuple[torch.Ten
         return _batch(step, n, r)
     dev = distlab.device()
     return inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev)
+
+
+def _drawn_start(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's own (different) starting weights under "w." and its shard of one batch: the
+    values judged are rank 0's model on each rank's rows, which no rank can rebuild without the broadcast and
+    the gathers."""
+    return [{**drawn_weights(build_model(PRESET, seed=draw_seed(rng), device="cpu"), "w."), **shard}
+            for shard in drawn_batch_shards(rng, case.world_size, 1, BATCH, PRESET)]
+
+
+def _start(inputs: dict | None) -> torch.nn.Module:
+    """On the rank: the model, the package's or with this rank's drawn weights (its rows: `_my_batch(0, ...)`)."""
+    return build_model(PRESET) if inputs is None else load_weights(build_model(PRESET), inputs, "w.")
+
+
+def _rank0_model(inputs: list | None) -> torch.nn.Module:
+    """Here: the model every rank computes with after the broadcast (rank 0's drawn weights under grading)."""
+    model = build_model(PRESET, device="cpu")
+    return model if inputs is None else load_weights(model, inputs[0], "w.")
+
+
+def _rows(inputs: list | None, n: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _batch(0, n, r, device="cpu") if inputs is None else (inputs[r]["x0"], inputs[r]["y0"])
 
 
 def _drawn_batches(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
@@ -231,11 +255,14 @@ class ForwardTask(Task):
                          f"forward, {n} ranks: one all-gather per unit, freed after use"))
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, ZeRO3: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        return _drawn_start(case, rng)
+
+    def exercise(self, case: Case, ZeRO3: Any, inputs: dict | None = None) -> dict:
         n, r = case.world_size, distlab.rank()
         distlab.engine.runtime.progress(f"a forward (no_grad) of ZeRO3, {n} ranks")
-        zero = ZeRO3(build_model(PRESET))
-        x, _ = _batch(0, n, r)
+        zero = ZeRO3(_start(inputs))
+        x, _ = _my_batch(0, n, r, inputs)
         with torch.no_grad(), track_comm() as comm:
             logits = zero(x)
         return {"logits": logits.float(), "comm": comm.stats(), "padded": [u.padded for u in zero.units],
@@ -243,10 +270,10 @@ class ForwardTask(Task):
                 "pending": sum(u.pending is not None for u in zero.units),
                 "gathered": len(zero._gathered), "held": held_bytes(vars(zero))}
 
-    def reference(self, case: Case) -> list:
-        model = build_model(PRESET, device="cpu")
+    def reference(self, case: Case, inputs: list | None = None) -> list:
+        model = _rank0_model(inputs)
         with torch.no_grad():
-            return [model(_batch(0, case.world_size, r, device="cpu")[0]) for r in range(case.world_size)]
+            return [model(_rows(inputs, case.world_size, r)[0]) for r in range(case.world_size)]
 
     def judge(self, case: Case, outputs: list, reference: list) -> list[Line]:
         n = case.world_size
@@ -285,7 +312,10 @@ class BackwardTask(Task):
                          f"backward, {n} ranks: gathered again for backward, not kept by autograd"))
                 for n in (2, 4)]
 
-    def exercise(self, case: Case, ZeRO3: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        return _drawn_start(case, rng)
+
+    def exercise(self, case: Case, ZeRO3: Any, inputs: dict | None = None) -> dict:
         n, r = case.world_size, distlab.rank()
 
         class Probe(ZeRO3):
@@ -302,10 +332,10 @@ class BackwardTask(Task):
                 return full
 
         distlab.engine.runtime.progress(f"forward and backward of ZeRO3 (gradients recorded), {n} ranks")
-        model = build_model(PRESET)
+        model = _start(inputs)
         zero = Probe(model)
         zero.seen, zero.born = {}, []
-        x, y = _batch(0, n, r)
+        x, y = _my_batch(0, n, r, inputs)
         with track_comm() as forward:
             loss = lm_loss(zero, x, y)
         # only what is reachable counts: a buffer left in a reference cycle (freed at the next collection,
@@ -319,11 +349,11 @@ class BackwardTask(Task):
         return {"grads": grads, "alive": alive, "forward": forward.stats(), "backward": backward.stats(),
                 "units": len(zero.units)}
 
-    def reference(self, case: Case) -> list:
+    def reference(self, case: Case, inputs: list | None = None) -> list:
         out = []
         for r in range(case.world_size):
-            model = build_model(PRESET, device="cpu")
-            x, y = _batch(0, case.world_size, r, device="cpu")
+            model = _rank0_model(inputs)
+            x, y = _rows(inputs, case.world_size, r)
             lm_loss(model, x, y).backward()
             out.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
         return out
