@@ -61,6 +61,32 @@ def test_a_late_receiver_pays_the_round_trip():
     assert sim.makespan(spans) == pytest.approx(9.7)
 
 
+def test_a_receive_posted_ahead_pays_one_hop_one_posted_after_the_send_the_round_trip():
+    # p = 2, m = 2, GPipe, F = 1, B = 2, no rendezvous (PyTorch waits for its sends at the end), hop 0.1, late 0.5.
+    # Rank 1 gets to F1 at 2.1, after rank 0 sent it (2.0): posted then, it starts at 2.6; posted ahead (before
+    # its first action, as PyTorch's lowered tables may post it), it starts at 2.1, when it is free.
+    kw = dict(t_f=1, t_b=2, t_p2p=0.1, t_late=0.5)
+    at = lambda spans: {(s["name"], s["rank"]): s["start"] for s in spans}
+    when_there = sim.simulate(sim.gpipe_order, 2, 2, posts=lambda r: [None] * 4, **kw)
+    assert at(when_there)["F1", 1] == pytest.approx(2.6)
+    ahead = sim.simulate(sim.gpipe_order, 2, 2, posts=lambda r: [0, 0, 0, 0], **kw)
+    assert at(ahead)["F1", 1] == pytest.approx(2.1)
+    # posted after rank 1's F0 (its action 1), which ends at 2.1, after the send at 2.0: the round trip again
+    assert at(sim.simulate(sim.gpipe_order, 2, 2, posts=lambda r: [0, 1, 0, 0], **kw))["F1", 1] == pytest.approx(2.6)
+
+
+def test_cost_of_overrides_the_costs_of_single_actions():
+    # ZB-H1 on 2 ranks, m = 1, F = B = W = 1: stage 0's B free and its W the whole backward (as PyTorch's split
+    # runs the fixed cost on a first stage); rank 0's backward ends the step at 5 either way, the spans differ.
+    kw = dict(t_f=1, t_b=1, t_w=1)
+    even = sim.makespan(sim.simulate(sim.zero_bubble_order, 2, 1, **kw))
+    cost = lambda kind, i, s: {("B", 0): 0.0, ("W", 0): 2.0}.get((kind, s))
+    split = sim.simulate(sim.zero_bubble_order, 2, 1, cost_of=cost, **kw)
+    assert even == pytest.approx(5) and sim.makespan(split) == pytest.approx(5)
+    assert [(s["name"], s["end"] - s["start"]) for s in split if s["rank"] == 0] == [("F0", 1), ("B0", 0), ("W0", 2)]
+    assert [s["end"] - s["start"] for s in split if s["rank"] == 1] == [1, 1, 1]
+
+
 def test_stage_of_places_two_chunks_in_a_v():
     # p = 2, v = 2, one micro-batch through 4 stages, each action 0.5, a message 0.1. Rank r holds chunks r and
     # r + p by default (every boundary crosses ranks: 6 messages), or r and 2p - 1 - r as ZBV does (stages 1 and 2

@@ -228,7 +228,8 @@ def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: in
     stages this rank holds, and for the schedules that run from a table (v > 1) `order`: this rank's
     actions as PyTorch's table lists them, ("F" | "B" | "W", micro-batch, chunk) with chunk an index into
     `chunks` (its "I", the input-gradient half of a split backward, is "B"), for
-    `distlab.course.pipeline.simulate`.
+    `distlab.course.pipeline.simulate`, and `posts`: where PyTorch's lowered table posts each of those actions'
+    receives (`_posts`; None for the single-stage schedules).
     """
     warnings.filterwarnings("ignore")
     from torch.distributed.pipelining import PipelineStage
@@ -267,10 +268,27 @@ def torch_schedules(schedules: Mapping[str, int], m: int, cost: float, micro: in
         order = None if not table else [({"I": "B"}.get(a.computation_type.value, a.computation_type.value),
                                          a.microbatch_index, chunks.index(a.stage_index))
                                         for a in table[r] if a is not None]
+        lowered = getattr(sched, "pipeline_order_with_comms", None)
+        posts = None if not lowered else _posts(lowered[r], order, chunks)
         out[name] = {"spans": steps[0], "steps": steps, "loss": sum(float(v) for v in losses) / m if losses else None,
-                     "comm": first_comm, "chunks": chunks, "order": order,
+                     "comm": first_comm, "chunks": chunks, "order": order, "posts": posts,
                      "grads": {st.full_names[k]: q.grad for st in stages for k, q in st.named_parameters()}}
     return out
+
+
+def _posts(lowered: Sequence[Any], order: Sequence[tuple], chunks: Sequence[int]) -> list[int | None]:
+    """For each action of `order`, how many of this rank's compute actions run before its receive is posted in
+    PyTorch's lowered table (`pipeline_order_with_comms`: RECV_F / RECV_B actions placed by `_add_send_recv`);
+    None for an action that receives nothing from another rank."""
+    posted: dict[tuple[str, int, int], int] = {}
+    done = 0
+    for a in lowered:
+        kind = a.computation_type.value
+        if kind in ("RECV_F", "RECV_B"):
+            posted[("F" if kind == "RECV_F" else "B", a.microbatch_index, a.stage_index)] = done
+        elif kind in ("F", "I", "B", "W"):
+            done += 1
+    return [posted.get((k, i, chunks[c])) for k, i, c in order]
 
 
 def overheads_of(per_rank: Sequence[Mapping[str, Any]], name: str) -> dict[str, float]:
@@ -288,6 +306,50 @@ def overheads_of(per_rank: Sequence[Mapping[str, Any]], name: str) -> dict[str, 
         gaps.append(gap)
         hops.append((window - busy - gap) / (2 * (len(rows) - 1)))
     return {"hop": statistics.median(hops), "gap": statistics.median(gaps)}
+
+
+def action_costs(per_rank: Sequence[Mapping[str, Any]], name: str) -> Callable[[str, int, int], float]:
+    """What each action of PyTorch's schedule `name` cost in a `torch_schedules` run, for `simulate`'s `cost_of`:
+    (kind, micro-batch, stage) -> the mean seconds of that kind of action on that stage over every measured
+    step and micro-batch ("B" for a whole backward, "BW" on the timelines; the mean, not the median: a step
+    adds up its actions, the slow ones too). The fixed cost's split as it really ran: a zero-bubble stage 0 has
+    no input gradient to compute (its input is token ids), so its "I" step costs almost nothing and its W
+    carries the whole backward; and each includes PyTorch's own work inside the call (the split backward's
+    two halves each a little over c / v)."""
+    seen: dict[tuple[str, int], list[float]] = {}
+    for r, rank in enumerate(per_rank):
+        chunks = rank[name]["chunks"]
+        for step in rank[name]["steps"]:
+            for sp in _rows(step):
+                head, _, stage = sp["name"].partition(".")
+                kind = head.rstrip("0123456789")
+                seen.setdefault(({"BW": "B"}.get(kind, kind), int(stage) if stage else chunks[0]), []).append(
+                    sp["end"] - sp["start"])
+    costs = {k: statistics.fmean(x) for k, x in seen.items()}
+    return lambda kind, i, stage: costs.get((kind, stage))
+
+
+def torch_posts(per_rank: Sequence[Mapping[str, Any]], name: str) -> Callable[[int], list] | None:
+    """For `simulate`'s `posts`: where PyTorch's lowered table of schedule `name` posts each receive (rank ->
+    per action of its `order`, how many of its actions run before that receive is posted); None for the
+    single-stage schedules, which post each receive when they reach the action that needs it."""
+    posts = [rank[name].get("posts") for rank in per_rank]
+    if any(x is None for x in posts):
+        return None
+    return lambda r: posts[r]
+
+
+def late_of(per_rank: Sequence[Mapping[str, Any]], name: str = "Schedule1F1B") -> float:
+    """PyTorch's late receiver, measured apart: on a `torch_schedules` run of `Schedule1F1B` on 2 ranks with m = 2,
+    rank 1's time from the end of its first backward to the start of its second forward. Rank 0 sent that
+    forward's input long before (its warm-up runs both forwards), so this is what a receive posted after its
+    message was sent costs (`simulate`'s `t_late`; its bookkeeping between the two actions included). Median
+    over the measured steps."""
+    lates = []
+    for step in per_rank[1][name]["steps"]:
+        spans = {sp["name"].partition(".")[0]: sp for sp in _rows(step)}
+        lates.append(spans["F1"]["start"] - spans["BW0"]["end"])
+    return statistics.median(lates)
 
 
 def torch_order(per_rank: Sequence[Mapping[str, Any]], name: str) -> tuple[Callable[..., list], Callable[[int, int], int]]:

@@ -76,7 +76,9 @@ def zero_bubble_order(p: int, m: int, r: int) -> list[Action]:
 def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: float = 1.0, t_b: float = 2.0,
              t_w: float = 0.0, v: int = 1, t_p2p: float = 0.0, rendezvous: bool = False,
              t_gap: float = 0.0, t_late: float | None = None,
-             stage_of: Callable[[int, int], int] | None = None) -> list[dict[str, Any]]:
+             stage_of: Callable[[int, int], int] | None = None,
+             cost_of: Callable[[str, int, int], float | None] | None = None,
+             posts: Callable[[int], Sequence[int | None]] | None = None) -> list[dict[str, Any]]:
     """Spans {"rank", "name", "start", "end", "kind": "compute"} of every action, as `schedule` orders them.
 
     Names as on measured timelines: F<i>, B<i> (BW<i> for a backward that includes W), W<i>, with
@@ -89,8 +91,14 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     `t_p2p`, and nothing without `rendezvous`): gloo moves a message only once its receiver has posted the
     receive, so a receiver that comes late pays a round trip (its "ready" to the sender, the data back) where
     one already waiting pays one way, `t_p2p` after the send. `stage_of(r, c)`: the stage rank r's chunk c
-    holds (default c p + r; ZBV's "V" places chunk 1 of rank r at 2p - 1 - r). Raises ValueError if the orders
-    deadlock (an action waits for one that can never run), naming the rank and the action.
+    holds (default c p + r; ZBV's "V" places chunk 1 of rank r at 2p - 1 - r). `cost_of(kind, i, stage)`: the
+    seconds of that action ("F", "B" or "W"; None: the costs above), e.g. as measured, where a split backward's
+    two halves are not even. `posts(r)`: for each of rank r's actions, how many of its actions run before the
+    receive of its input is posted (PyTorch's lowered tables post a receive ahead of the action that needs it;
+    None: when the rank gets to that action): a message sent before its receive is posted arrives `t_late` after
+    the post, one sent after it `t_p2p` after the send (this replaces the default rule for those actions).
+    Raises ValueError if the orders deadlock (an action waits for one that can never run), naming the rank and
+    the action.
     """
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
@@ -103,6 +111,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
         raise ValueError(f"stage_of must place the {n} stages 0..{n - 1} on the ranks, one each")
     pos = {(r, k, i, place(r, c)): j for r in range(p) for j, (k, i, c) in enumerate(orders[r])}
     late = t_p2p if t_late is None else t_late
+    posted_at = None if posts is None else [list(posts(r)) for r in range(p)]
     end: dict[tuple[str, int, int], float] = {}        # (kind, micro-batch, stage) -> end time
     ends: list[list[float]] = [[] for _ in range(p)]   # per rank, the end of each action run so far
     free, nxt, spans = [0.0] * p, [0] * p, []
@@ -146,6 +155,10 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
             remote = owner.get(key[2], key[2] % p) != r          # (a chunk out of range: as the default placement)
             if not remote:
                 start = max(start, end[key])
+            elif posted_at is not None:
+                k = posted_at[r][nxt[r]]                          # the receive: posted when action k - 1 ends
+                at = free[r] if k is None else ends[r][k - 1] if k else 0.0
+                start = max(start, end[key] + t_p2p if at <= end[key] else at + late)
             elif rendezvous:
                 start = max(start, end[key] + t_p2p, free[r] + late)
             elif t_late is not None:
@@ -164,8 +177,10 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
                 if start is None:
                     break
                 whole = kind == "B" and (r, i, c) not in split
-                cost = {"F": t_f, "B": t_b + (t_w if whole else 0.0), "W": t_w}[kind] / v
                 s = place(r, c)
+                cost = cost_of(kind, i, s) if cost_of is not None else None
+                if cost is None:
+                    cost = {"F": t_f, "B": t_b + (t_w if whole else 0.0), "W": t_w}[kind] / v
                 end[(kind, i, s)] = start + cost
                 ends[r].append(start + cost)
                 free[r] = start + cost
