@@ -276,3 +276,31 @@ def test_torch_tp_and_sp_bytes_equal_the_theory(no_orphans):
         assert sp["step"].total_bytes == L * th.sp_block_bytes(tokens, h, t, bytes_per_element=4)
         assert sp["update"].calls == {"all_reduce": 4 * L}     # the LayerNorms' Partial gradients, in the optimizer
         assert sp["update"].total_bytes == L * th.sp_replicated_grad_bytes(h, t, biases=False)
+
+
+# The other ranks' share of a row-parallel output computed locally from the package's seeded input (every rank
+# holds the whole layer), nothing reduced: right values in the notebook, where the input is the package's.
+PREDICTED_ROW = '''
+from distlab.checks.ch07_common import B as _B, CFG as _CFG, randn as _randn
+class RowParallelLinear(RowParallelLinear):
+    def __init__(self, linear, group=None, reduce=ReduceFromTP):
+        super().__init__(linear, group, reduce)
+        t, r = dist.get_world_size(), dist.get_rank()
+        xs, ws = _randn(_B, _CFG.seq_len, _CFG.d_ff, seed=7).chunk(t, -1), linear.weight.detach().cpu().chunk(t, 1)
+        self.others = sum(F.linear(xs[o], ws[o]) for o in range(t) if o != r).to(linear.weight.device)
+
+    def forward(self, x):
+        return F.linear(x, self.weight) + self.others + self.bias
+'''
+
+
+def test_a_row_output_rebuilt_from_the_package_s_input_fails_values_under_grading(no_orphans):
+    from labkit import answers
+    from test_ch08_checks import graded_lines
+    mine = _first_case("row", RowParallelLinear=PREDICTED_ROW)
+    assert mine[1].startswith("PASS row, 2 ranks, values"), mine
+    assert mine[2].startswith("FAIL row, 2 ranks, traffic: rank 0, forward: sent nothing"), mine
+    # under grading the input is drawn and each rank holds only its columns of it
+    graded = graded_lines("row", answers(LAB, replace={"RowParallelLinear": PREDICTED_ROW}), lab=LAB)
+    assert graded[1].startswith("FAIL row, 2 ranks, values: rank 0: max |the output - reference|"), graded
+    assert graded[2].startswith("FAIL row, 2 ranks, traffic: rank 0, forward: sent nothing"), graded

@@ -88,11 +88,6 @@ def _first_case(task, ns):
     return _lines(run_task(one, [getattr(ns, name) for name in t.answers]))
 
 
-def _on_rank(task, case, answers, drawn):
-    import distlab
-    return task.exercise(case, *answers, inputs=drawn[distlab.rank()])
-
-
 def graded_lines(task, ns, case_index=0, lab=LAB):
     """One case's verdict lines as `distlab grade` computes them (without its sandbox): every rank's inputs drawn
     from a fresh secret seed and carried as safetensors, the reference computed from them here, each rank given
@@ -101,10 +96,14 @@ def graded_lines(task, ns, case_index=0, lab=LAB):
     from distlab.checks.task import validate
     from distlab.engine.launch import launch
     from distlab.grading import secret
+    def on_rank(task, case, answers, drawn):     # nested: travels by value (a rank imports no test module)
+        import distlab
+        return task.exercise(case, *answers, inputs=drawn[distlab.rank()])
+
     t = lab_module(lab).TASKS[task]
     case = t.cases()[case_index]
     drawn = [secret.load(secret.blob(d)) for d in secret.draw(t, case)]
-    outputs = launch(_on_rank, case.world_size, t, case, tuple(getattr(ns, a) for a in t.answers), drawn, stall=5)
+    outputs = launch(on_rank, case.world_size, t, case, tuple(getattr(ns, a) for a in t.answers), drawn, stall=5)
     validate(outputs)
     return _lines(t.judge(case, outputs, t.reference(case, inputs=drawn)))
 

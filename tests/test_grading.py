@@ -141,15 +141,16 @@ def test_secret_inputs_differ_from_the_package_s_and_reach_one_rank_only(tmp_pat
 
 
 # What each lab draws under grading (issue 28): every task whose values are judged from inputs a rank could
-# otherwise rebuild. Not drawn: ch04's buckets and memory, ch06's traffic and seconds (no inputs); ch07's layers
-# and training (every rank holds the whole model, or the same batch, by design:
-# their traffic lines are what make them communicate); ch08's predict (judges the predictions and 1F1B's bytes
+# otherwise rebuild. Not drawn: ch04's buckets and memory, ch06's traffic and seconds (no inputs); ch07's training
+# (every rank holds the whole model and the same batch, by design: its traffic line is what makes it communicate;
+# ch07's layers and SP block draw their inputs and gradients, the layer stays whole); ch08's predict (judges the predictions and 1F1B's bytes
 # and peak, no values), its schedule tables (no inputs) and offload_state (where the state lives).
 DRAWN = {"01_collectives": {"reduce_scatter", "all_gather", "all_reduce", "naive_all_reduce"},
          "02_ddp": {"naive", "overlapped", "bucket_layout", "bucketed"},
          "03_zero1": {"init", "reduce_scatter_grad", "step"}, "04_zero2": {"construct", "backward", "step"},
          "05_zero3": {"shard", "forward", "backward", "train", "prefetch", "bf16"}, "06_fsdp": {"wrap"},
-         "07_tensor_parallel": {"f_g", "sp_ops", "zigzag", "ulysses"},
+         "07_tensor_parallel": {"f_g", "column", "row", "mlp", "attention", "sp_ops", "sp_block", "zigzag",
+                                "ulysses"},
          "08_pipeline": {"forward", "gpipe", "1f1b", "step_3d", "offload_grads", "offload_step"}}
 
 

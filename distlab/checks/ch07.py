@@ -12,6 +12,10 @@ S = 16) and judges, from raw outputs, against one process computing the same thi
 - shards: a rank holds 1/t of every split weight, not a full copy it slices on the fly;
 - traffic: which collectives ran in forward and in backward, and their algorithmic bytes, against
   `distlab.theory.tensor_parallel` (for example one all-reduce of B x S x h per MLP forward and one backward).
+
+Under `distlab grade` the tensors fed in and the gradients put on the outputs (f/g, the layers, the SP ops and
+block, context parallelism) are drawn from a secret seed, each rank receiving only its part: no rank can rebuild
+another's from the package's seeds. The layers' weights stay the package's (every rank is handed the whole layer).
 """
 from __future__ import annotations
 
@@ -123,12 +127,16 @@ class FG(Task):
 class LayerTask(Task):
     """Build the learner's layer from a reference layer on every rank; one forward and backward.
 
-    Subclasses give `make(answer, ref_layer)`, `inputs(r, t)` (what rank r feeds in, and the
-    gradient it puts on the output), `expected(...)` and the traffic."""
+    Subclasses give `make(answer, ref_layer)`, what rank r feeds in and the gradient it puts on the output
+    (`feed_dim`, `grad_dim`: the dimension its slice of each is cut along, None: the whole), what its outputs
+    should be, and the traffic. Every rank holds the whole layer (by design); under grading the input and the
+    output gradient are drawn (`inputs`) and rank r receives only its slice of each."""
 
     hang_hint = HANG_HINT
     lines_of = ("shards", "values", "traffic")
     prefix = ""          # the reference layer's name in its block: decides how a parameter is split
+    feed_dim: int | None = None      # rank r's part of the input: chunk r along this dimension (None: all of it)
+    grad_dim: int | None = None      # the same for the gradient put on the output
 
     def __init__(self, name: str, answer: str, words: str) -> None:
         self.name, self.answers, self.words = name, (answer,), words
@@ -144,10 +152,12 @@ class LayerTask(Task):
         return answer(layer)
 
     def feed(self, x: torch.Tensor, r: int, t: int) -> torch.Tensor:
-        return x                                     # what rank r gets of the full input
+        """What rank r gets of the full input."""
+        return x if self.feed_dim is None else x.chunk(t, self.feed_dim)[r].clone()
 
     def grad_out(self, g: torch.Tensor, r: int, t: int) -> torch.Tensor:
-        return g                                     # what rank r gets of the full output gradient
+        """What rank r gets of the full output gradient."""
+        return g if self.grad_dim is None else g.chunk(t, self.grad_dim)[r].clone()
 
     def out_of(self, y: torch.Tensor, r: int, t: int) -> torch.Tensor:
         return y                                     # what rank r's output should be, of the full one
@@ -171,29 +181,39 @@ class LayerTask(Task):
         g = randn(B, CFG.seq_len, self.out_features(), seed=8)
         return layer, x, g
 
-    def exercise(self, case: Case, answer: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: the input and the output gradient drawn; rank r receives only its part of each."""
+        t = case.world_size
+        x = torch.randn(B, CFG.seq_len, self.in_features(), generator=rng)
+        g = torch.randn(B, CFG.seq_len, self.out_features(), generator=rng)
+        return [{"x": self.feed(x, r, t), "g": self.grad_out(g, r, t)} for r in range(t)]
+
+    def exercise(self, case: Case, answer: Any, inputs: dict | None = None) -> dict:
         r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
         layer, x, g = self._full()
         distlab.engine.runtime.progress(f"{self.name}: building from the full layer ({t} ranks)")
         mine = self.make(answer, layer.to(dev))
-        xin = self.feed(x, r, t).to(dev).requires_grad_()
+        xin = (self.feed(x, r, t) if inputs is None else inputs["x"]).to(dev).requires_grad_()
         distlab.engine.runtime.progress(f"{self.name}: forward")
         with track_comm() as fwd:
             y = mine(xin)
         distlab.engine.runtime.progress(f"{self.name}: backward")
         with track_comm() as bwd:
-            y.backward(self.grad_out(g, r, t).to(dev))
+            y.backward((self.grad_out(g, r, t) if inputs is None else inputs["g"]).to(dev))
         return {"out": y.detach(), "x_grad": xin.grad,
                 "params": {k: p.detach() for k, p in mine.named_parameters()},
                 "grads": {k: p.grad for k, p in mine.named_parameters()},
                 "fwd": fwd.stats(), "bwd": bwd.stats()}
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         layer, x, g = self._full()
-        x.requires_grad_()
+        if inputs is not None:      # the drawn ones, put back together from the ranks' parts
+            x, g = (inputs[0][k] if dim is None else torch.cat([i[k] for i in inputs], dim)
+                    for k, dim in (("x", self.feed_dim), ("g", self.grad_dim)))
+        x = x.clone().requires_grad_()
         y = layer(x)
         y.backward(g)
-        return {"out": y.detach(), "x_grad": x.grad,
+        return {"out": y.detach(), "x_grad": x.grad, "g": g,
                 "params": {k: p.detach() for k, p in layer.named_parameters()},
                 "grads": {k: p.grad for k, p in layer.named_parameters()}}
 
@@ -233,19 +253,17 @@ class ColumnTask(LayerTask):
     def ref_layer(self) -> torch.nn.Module:
         return block(1).mlp.fc                   # h -> 4h
 
+    grad_dim = -1                                # rank r gets the gradient of its columns of the output
+
     def out_features(self) -> int:
         return CFG.d_ff
-
-    def grad_out(self, g: torch.Tensor, r: int, t: int) -> torch.Tensor:
-        return g.chunk(t, -1)[r]
 
     def out_of(self, y: torch.Tensor, r: int, t: int) -> torch.Tensor:
         return y.chunk(t, -1)[r]
 
     def in_grad_of(self, ref: dict, r: int, t: int) -> torch.Tensor:
         # No f inside: rank r's input gradient is its own part, g_r @ W_r.
-        _, _, g = self._full()
-        return g.chunk(t, -1)[r] @ ref["params"]["weight"].chunk(t, 0)[r]
+        return ref["g"].chunk(t, -1)[r] @ ref["params"]["weight"].chunk(t, 0)[r]
 
     def traffic(self, t: int) -> tuple[dict, dict]:
         return {}, {}
@@ -257,11 +275,10 @@ class RowTask(LayerTask):
     def ref_layer(self) -> torch.nn.Module:
         return block(2).mlp.out                  # 4h -> h
 
+    feed_dim = -1                                # rank r gets its columns of the input
+
     def in_features(self) -> int:
         return CFG.d_ff
-
-    def feed(self, x: torch.Tensor, r: int, t: int) -> torch.Tensor:
-        return x.chunk(t, -1)[r].clone()
 
     def in_grad_of(self, ref: dict, r: int, t: int) -> torch.Tensor:
         return ref["x_grad"].chunk(t, -1)[r]

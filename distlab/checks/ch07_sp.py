@@ -107,7 +107,17 @@ class SPBlockTask(Task):
             return x, target
         return x.chunk(t, 1)[r].contiguous(), target.chunk(t, 1)[r].contiguous()
 
-    def exercise(self, case: Case, answer: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: each step's input and target drawn; rank r receives only its sequence slice of each
+        (the block stays the package's: every rank holds it whole)."""
+        t, out = case.world_size, [{} for _ in range(case.world_size)]
+        for step in range(STEPS):
+            for k in (f"x{step}", f"t{step}"):
+                for r, piece in enumerate(torch.randn(*SHAPE, generator=rng).chunk(t, 1)):
+                    out[r][k] = piece.contiguous()
+        return out
+
+    def exercise(self, case: Case, answer: Any, inputs: dict | None = None) -> dict:
         r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
         spb = answer(block(5).to(dev))
         opt = make_optimizer(spb.parameters())
@@ -115,7 +125,8 @@ class SPBlockTask(Task):
         traffic = []          # every step's: the parameters after all of them are judged
         for step in range(STEPS):
             distlab.engine.runtime.progress(f"sp_block: step {step}")
-            x, target = (z.to(dev) for z in self._batch(step, r, t))
+            mine = self._batch(step, r, t) if inputs is None else (inputs[f"x{step}"], inputs[f"t{step}"])
+            x, target = (z.to(dev).clone() for z in mine)
             x.requires_grad_()
             with track_comm() as fwd:
                 y = spb(x)
@@ -132,12 +143,13 @@ class SPBlockTask(Task):
             opt.zero_grad(set_to_none=True)
         return {**first, "traffic": traffic, "params": {k: p.detach() for k, p in spb.named_parameters()}}
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         ref = block(5)
         opt = make_optimizer(ref.parameters())
         first: dict[str, Any] = {}
         for step in range(STEPS):
-            x, target = self._batch(step, None, 1)
+            x, target = (self._batch(step, None, 1) if inputs is None else   # the drawn slices put back together
+                         (torch.cat([i[f"{k}{step}"] for i in inputs], 1) for k in ("x", "t")))
             x.requires_grad_()
             y = ref(x)
             ((y - target) ** 2).mean().backward()
