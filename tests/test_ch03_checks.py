@@ -204,3 +204,27 @@ def test_the_lab_holds_the_prelude_one_line_checks_and_its_expected_time():
     assert [[line for line in c.source.splitlines() if not line.startswith("#")] for c in checks] == [
         [f'grade("{name}", ShardedOptimizer)'] for name in TASKS]
     assert "*Expected time:" in nb.cells[0].source
+
+
+# Every rank's shard rebuilt from the package's pattern (what the notebook's check writes into each shard), nothing
+# gathered: right parameters in the notebook.
+PREDICTED_GATHER = '''
+from distlab.checks.ch03 import _pattern
+@add_to_class(ShardedOptimizer)
+def _all_gather_params(self):
+    k = self.shard_numel
+    with torch.no_grad():
+        for r in range(self.world):
+            self.flat_param[r * k:(r + 1) * k].copy_(_pattern(r, k, self.flat_param.dtype))
+'''
+
+
+def test_shards_rebuilt_from_the_package_s_pattern_fail_values_under_grading(no_orphans):
+    from test_ch08_checks import graded_lines
+    ns = answers(LAB, replace={"a": PREDICTED_GATHER})
+    mine = _lines(_only("all_gather_params"), ns)
+    assert mine[0].startswith("PASS _all_gather_params, 2 ranks, values"), mine
+    assert mine[1] == "FAIL _all_gather_params, 2 ranks, traffic: rank 0 issued no all-gather", mine
+    graded = graded_lines("all_gather_params", ns, lab=LAB)     # each rank's shard drawn: only it holds it
+    assert graded[0].startswith("FAIL _all_gather_params, 2 ranks, values: max |frozen weights, rank 0's "), graded
+    assert graded[1] == mine[1], graded

@@ -147,7 +147,8 @@ def test_secret_inputs_differ_from_the_package_s_and_reach_one_rank_only(tmp_pat
 # and peak, no values), its schedule tables (no inputs) and offload_state (where the state lives).
 DRAWN = {"01_collectives": {"reduce_scatter", "all_gather", "all_reduce", "naive_all_reduce"},
          "02_ddp": {"naive", "overlapped", "bucket_layout", "bucketed"},
-         "03_zero1": {"init", "reduce_scatter_grad", "step"}, "04_zero2": {"construct", "backward", "step"},
+         "03_zero1": {"init", "reduce_scatter_grad", "all_gather_params", "step"},
+         "04_zero2": {"construct", "backward", "step"},
          "05_zero3": {"shard", "forward", "backward", "train", "prefetch", "bf16"}, "06_fsdp": {"wrap"},
          "07_tensor_parallel": {"f_g", "column", "row", "mlp", "attention", "sp_ops", "sp_block", "zigzag",
                                 "ulysses"},

@@ -22,9 +22,10 @@ The tasks follow the lab's steps:
   all-gathers, nothing else.
 
 Every reference is computed here, on the CPU, without learner code. In the
-notebook the batches and every rank's different starting weights are seeded by
-the package; under `distlab grade` they are drawn from a secret seed (each
-task's `inputs`) and each rank receives only its own shard and its own weights.
+notebook the batches, every rank's different starting weights and what each rank
+writes into its shard before the all-gather are seeded by the package; under
+`distlab grade` they are drawn from a secret seed (each task's `inputs`) and each
+rank receives only its own.
 """
 from __future__ import annotations
 
@@ -315,7 +316,13 @@ class AllGatherTask(Task):
         return [Case(n, (f"_all_gather_params, {n} ranks, values", f"_all_gather_params, {n} ranks, traffic"))
                 for n in (2, 3)]
 
-    def exercise(self, case: Case, Opt: Any) -> dict:
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        """Under grading: what each rank writes into its shard, drawn (integers < 256: exact in bf16)."""
+        n = case.world_size
+        return [{variant: torch.randint(0, 256, (_k(_psi(variant)[0], n),), generator=rng).to(dtype)
+                 for variant, dtype in LAYOUT_DTYPES.items()} for _ in range(n)]
+
+    def exercise(self, case: Case, Opt: Any, inputs: dict | None = None) -> dict:
         r = distlab.rank()
         out: dict = {}
         for variant, dtype in LAYOUT_DTYPES.items():
@@ -323,20 +330,21 @@ class AllGatherTask(Task):
                                      f"{str(dtype).replace('torch.', '')}")
             model = make_model(variant, dtype=dtype)
             opt = Opt(model.parameters(), torch.optim.SGD, **INNER_SGD)
+            mine = _pattern(r, opt.shard.numel(), dtype) if inputs is None else inputs[variant]
             with torch.no_grad():
-                opt.shard.copy_(_pattern(r, opt.shard.numel(), dtype, opt.shard.device))  # "my updated shard"
+                opt.shard.copy_(mine)                                                   # "my updated shard"
             with track_comm() as comm:
                 opt._all_gather_params()
             out[variant] = _named(model)
             out[variant, "comm"] = comm.stats()
         return out
 
-    def reference(self, case: Case) -> dict:
+    def reference(self, case: Case, inputs: list | None = None) -> dict:
         n, ref = case.world_size, {}
         for variant, dtype in LAYOUT_DTYPES.items():
             psi, params = _psi(variant)
             k = _k(psi, n)
-            full = torch.cat([_pattern(r, k, dtype) for r in range(n)])
+            full = torch.cat([_pattern(r, k, dtype) if inputs is None else inputs[r][variant] for r in range(n)])
             want = _named(make_model(variant, dtype=dtype, device="cpu"))   # frozen ones stay as they were
             offset = 0
             for name, m in params:
