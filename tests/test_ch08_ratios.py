@@ -86,25 +86,32 @@ def test_bubble_within_the_simulated_table():
 
 def test_torch_multi_chunk_bubbles_within_their_own_tables():
     # PyTorch's interleaved and ZBV schedules on 2 ranks (v = 2): their own tables (torch_order) simulated with free
-    # messages give the interleaved closed form; with PyTorch's hop and gap measured apart (on ScheduleGPipe) the
-    # measured bubble stands within 40 % of them. Not 5 %: on this box the multi-chunk runtime's bubble ran 7-29 %
-    # above the model for the interleaved table and about 12 % below it for ZBV (issue 25 keeps these two rows
-    # open); the bound still fails a model that leaves the messages out (the interleaved closed form, 0.11, against
-    # about 0.2 measured here).
+    # messages give the interleaved closed form. The model adds PyTorch's hop and gap (measured apart on
+    # ScheduleGPipe, m = 1), its late receiver (Schedule1F1B, m = 2: late_of), where the lowered table posts each
+    # receive (torch_posts) and each action's cost as it ran (action_costs: ZBV's stage 0 computes no input
+    # gradient, its W carries the whole backward). Held to 30 %: a timing ratio on a shared 2-core box, where a
+    # descheduled rank stalls a step by tens of ms (issue 25's lecture prints the per-step spread); the closed
+    # form, which leaves the messages out, misses the interleaved bubble by more than that (0.11 against about 0.2).
     import statistics
 
-    from distlab.course.pipeline.measure import overheads_of, torch_order, torch_schedules
+    from distlab.course.pipeline.measure import (action_costs, late_of, overheads_of, torch_order, torch_posts,
+                                                 torch_schedules)
     from distlab.course.pipeline.simulate import simulate
     from distlab.course.pipeline.stages import bubble
     cost, m, names = 0.02, 4, {"ScheduleInterleaved1F1B": 2, "ScheduleZBVZeroBubble": 2}
-    tor = distlab.launch(torch_schedules, 2, names, m, cost, repeats=3, backend="gloo", stall=120)
+    tor = distlab.launch(torch_schedules, 2, names, m, cost, repeats=5, backend="gloo", stall=120)
     apart = distlab.launch(torch_schedules, 2, {"ScheduleGPipe": 1}, 1, cost, repeats=3, backend="gloo", stall=120)
+    late = distlab.launch(torch_schedules, 2, {"Schedule1F1B": 1}, 2, cost, repeats=5, backend="gloo", stall=120)
     costs = overheads_of(apart, "ScheduleGPipe")
+    spent = action_costs(tor, "ScheduleZBVZeroBubble")                    # rank 0 holds stages 0 and 3
+    assert spent("B", 0, 0) < 0.25 * cost / 2 < 1.5 * cost / 2 < spent("W", 0, 0), (spent("B", 0, 0), spent("W", 0, 0))
+    assert spent("B", 0, 3) > 0.75 * cost / 2
     for name, v in names.items():
         order, stage_of = torch_order(tor, name)
         kw = dict(t_f=cost, t_b=cost, t_w=cost, v=v, stage_of=stage_of)
         if name == "ScheduleInterleaved1F1B":
             assert bubble(simulate(order, 2, m, **kw)) == pytest.approx(pt.bubble_fraction(2, m, v=2))
-        model = bubble(simulate(order, 2, m, t_p2p=costs["hop"], t_gap=costs["gap"], **kw))
-        measured = statistics.median(bubble([s for o in tor for s in o[name]["steps"][k]]) for k in range(3))
-        assert measured / model == pytest.approx(1, abs=0.4), (name, measured, model, costs)
+        model = bubble(simulate(order, 2, m, t_p2p=costs["hop"], t_gap=costs["gap"], t_late=late_of(late),
+                                posts=torch_posts(tor, name), cost_of=action_costs(tor, name), **kw))
+        measured = statistics.median(bubble([s for o in tor for s in o[name]["steps"][k]]) for k in range(5))
+        assert measured / model == pytest.approx(1, abs=0.3), (name, measured, model, costs)
