@@ -87,6 +87,32 @@ def test_cost_of_overrides_the_costs_of_single_actions():
     assert [s["end"] - s["start"] for s in split if s["rank"] == 1] == [1, 1, 1]
 
 
+def test_message_costs_read_hop_late_and_gap_off_the_schedules_own_steps():
+    import statistics
+
+    from distlab.course.pipeline.measure import message_costs
+
+    def span(name, start, end):
+        return {"name": name, "kind": "compute", "start": start, "end": end}
+    # GPipe on 2 ranks, m = 2 (stages 0 and 1). Rank 1's F1 is posted at its rank's F0 end, after rank 0 sent it:
+    # a late receiver (0.2); rank 0's BW0 waits for the gradient with its receive posted: a hop (0.1); rank 0's BW1
+    # is posted after its gradient was sent: late (0.25); three actions wait for nothing: gaps 0.1, 0.05, 0.05.
+    r0 = [span("F0.0", 0, 1), span("F1.0", 1.1, 2.1), span("BW0.0", 5.65, 7.65), span("BW1.0", 7.9, 9.9)]
+    r1 = [span("F0.1", 1.3, 2.3), span("F1.1", 2.5, 3.5), span("BW0.1", 3.55, 5.55), span("BW1.1", 5.6, 7.6)]
+    per_rank = [{"ScheduleGPipe": {"steps": [r0], "chunks": [0]}}, {"ScheduleGPipe": {"steps": [r1], "chunks": [1]}}]
+    got = message_costs(per_rank, "ScheduleGPipe")
+    assert got["hop"] == pytest.approx(0.1) and got["late"] == pytest.approx(0.225)
+    assert got["gap"] == pytest.approx(0.2 / 3)                                   # the mean: a step adds them up
+    assert message_costs(per_rank, "ScheduleGPipe", statistics.median)["gap"] == pytest.approx(0.05)
+    # a table's posts: rank 0 posts BW0's receive after its first action (before the send: a hop), BW1's right
+    # before it (after the send: late); the same figures
+    per_rank[0]["ScheduleGPipe"]["posts"] = [None, None, 1, 3]
+    assert message_costs(per_rank, "ScheduleGPipe") == pytest.approx(got)
+    # a kind of action the run does not have: None (the lecture falls back on the figure measured apart)
+    alone = message_costs(per_rank[:1], "ScheduleGPipe")             # rank 0 alone: nothing crosses ranks
+    assert alone["hop"] is None and alone["late"] is None and alone["gap"] == pytest.approx((0.1 + 3.55 + 0.25) / 3)
+
+
 def test_stage_of_places_two_chunks_in_a_v():
     # p = 2, v = 2, one micro-batch through 4 stages, each action 0.5, a message 0.1. Rank r holds chunks r and
     # r + p by default (every boundary crosses ranks: 6 messages), or r and 2p - 1 - r as ZBV does (stages 1 and 2

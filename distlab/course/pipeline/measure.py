@@ -352,6 +352,70 @@ def late_of(per_rank: Sequence[Mapping[str, Any]], name: str = "Schedule1F1B") -
     return statistics.median(lates)
 
 
+def message_costs(per_rank: Sequence[Mapping[str, Any]], name: str,
+                  average: Callable[[Sequence[float]], float] = statistics.fmean) -> dict[str, float | None]:
+    """`simulate`'s `t_p2p`, `t_late` and `t_gap` read off the run of schedule `name` itself (a `torch_schedules`
+    run): paired with the steps they predict, the same launch, ranks and load. Per measured step and rank, each
+    action's start against the end of the action whose output it needs (`send`: its input's producer on
+    another rank), when its receive was posted (`post`: the end of the action `torch_posts` names; for the
+    single-stage schedules, when the rank got to the action) and when its rank got free (`free`: the end of its
+    previous action):
+
+    - `hop`: start - send, for each receive posted and rank free before the send ended (the receiver waits);
+    - `late`: start - post, for each receive posted after the send ended, right before its action (a late
+      receiver's round trip, the bookkeeping between the two actions included, as `late_of`; in a ramp of
+      forwards most receives are posted a moment after their send, and pay it);
+    - `gap`: start - free, for each action whose input is on its own rank, or was sent and its receive posted
+      at least 5 ms before the rank got free (nothing waited for).
+
+    `average` over every such action of every step: the mean by default, not the median — a step adds these
+    delays up along its chain of actions, the slow ones too, and on a shared machine they have a long tail (as
+    `action_costs`). None where the run has no action of a kind. Unlike `overheads_of` and `late_of` (2 ranks,
+    measured apart, under the load of another moment) these carry the load under which the steps ran."""
+    chunks = [rank[name]["chunks"] for rank in per_rank]
+    owner = {s: r for r, cs in enumerate(chunks) for s in cs}
+    posts = [rank[name].get("posts") for rank in per_rank]
+    hops: list[float] = []
+    lates: list[float] = []
+    gaps: list[float] = []
+    for steps in zip(*(rank[name]["steps"] for rank in per_rank)):
+        ends: dict[tuple[str, int, int], float] = {}
+        rows = []
+        for r, step in enumerate(steps):
+            mine = sorted(_rows(step), key=lambda x: x["start"])
+            rows.append(mine)
+            for sp in mine:
+                head, _, stage = sp["name"].partition(".")
+                kind = head.rstrip("0123456789")
+                key = "F" if kind == "F" else "W" if kind == "W" else "B"      # BW and I: the input gradient
+                ends[(key, int(head[len(kind):]), int(stage))] = sp["end"]
+        for r, mine in enumerate(rows):
+            for j, sp in enumerate(mine):
+                if j == 0:
+                    continue
+                head, _, stage = sp["name"].partition(".")
+                kind = head.rstrip("0123456789")
+                i, s = int(head[len(kind):]), int(stage)
+                src = s - 1 if kind == "F" else s + 1 if kind in ("B", "BW") else None
+                free = mine[j - 1]["end"]
+                send = None if src is None or src not in owner or owner[src] == r else ends.get(
+                    ("F" if kind == "F" else "B", i, src))
+                if send is None:
+                    gaps.append(sp["start"] - free)
+                    continue
+                k = posts[r][j] if posts[r] is not None and j < len(posts[r]) else j
+                post = mine[k - 1]["end"] if k else None
+                if post is None:
+                    continue
+                if post <= send and free <= send:
+                    hops.append(sp["start"] - send)
+                elif post > send and k == j:
+                    lates.append(sp["start"] - post)
+                if send + 0.005 <= free and (post <= send or post + 0.005 <= free):
+                    gaps.append(sp["start"] - free)          # the message was there long before
+    return {k: average(x) if x else None for k, x in (("hop", hops), ("late", lates), ("gap", gaps))}
+
+
 def torch_order(per_rank: Sequence[Mapping[str, Any]], name: str) -> tuple[Callable[..., list], Callable[[int, int], int]]:
     """PyTorch's own table of schedule `name` from a `torch_schedules` run, for `simulate`: the schedule
     (p, m, r) -> rank r's actions, and `stage_of(r, c)` -> the stage of rank r's chunk c (ZBV's "V")."""
