@@ -97,8 +97,8 @@ def test_torch_multi_chunk_bubbles_within_their_own_tables():
     # 1.6 times the model, their least 0.9-1.3 times it (1.47 once, in a full suite beside other work). So the least
     # of 5 steps, bounded tightly below and loosely above; the closed form, which leaves the messages out, is
     # below the model (checked without timing).
-    from distlab.course.pipeline.measure import (action_costs, late_of, overheads_of, torch_order, torch_posts,
-                                                 torch_schedules)
+    from distlab.course.pipeline.measure import (action_costs, late_of, message_costs, overheads_of, torch_order,
+                                                 torch_posts, torch_schedules)
     from distlab.course.pipeline.simulate import simulate
     from distlab.course.pipeline.stages import bubble
     cost, m, names = 0.02, 4, {"ScheduleInterleaved1F1B": 2, "ScheduleZBVZeroBubble": 2}
@@ -122,3 +122,10 @@ def test_torch_multi_chunk_bubbles_within_their_own_tables():
         # the least of 5 steps (a stall only adds idle time): tight below, loose above (a full suite beside other
         # work on this box ran the interleaved one to 1.47 times its model)
         assert 0.65 < min(per_step) / model < 2.0, (name, per_step, model, costs)
+        # the lecture's model: the same terms read off the schedule's own steps (message_costs), the same bounds
+        paired = message_costs(tor, name)
+        assert paired["hop"] > 0 and paired["gap"] > 0, paired
+        model = bubble(simulate(order, 2, m, t_p2p=paired["hop"], t_gap=paired["gap"],
+                                t_late=paired["late"] if paired["late"] is not None else late_of(late),
+                                posts=torch_posts(tor, name), cost_of=action_costs(tor, name), **kw))
+        assert 0.65 < min(per_step) / model < 2.0, (name, per_step, model, paired)
