@@ -149,23 +149,16 @@ def set_eval_frame(callback: Any) -> Any:
     `torch._dynamo.disable` uses it; a callback is refused. The real function is held by the hook only."""
     box: list = []
     sys.audit("distlab.frames", "set_eval_frame", callback, box)
-    return _unbox(box, "set_eval_frame")
+    from distlab.grading.pgmeter import unbox
+    return unbox(box, "set_eval_frame")
 
 
 def set_bytecode_debugger_callback(callback: Any) -> Any:
     """`torch._C._dynamo.eval_frame.set_bytecode_debugger_callback` under grading; see `set_eval_frame`."""
     box: list = []
     sys.audit("distlab.frames", "set_bytecode_debugger_callback", callback, box)
-    return _unbox(box, "set_bytecode_debugger_callback")
-
-
-def _unbox(box: list, name: str) -> Any:
-    from distlab.grading.pgmeter import Failed
-    if not box:
-        raise RuntimeError(f"distlab grade: {name} did not run (the grader's audit hook is missing)")
-    if type(box[0]) is Failed:
-        raise box[0].exception()
-    return box[0]
+    from distlab.grading.pgmeter import unbox
+    return unbox(box, "set_bytecode_debugger_callback")
 
 
 def _take_frame_callbacks() -> dict[str, Any]:

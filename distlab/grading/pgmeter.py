@@ -113,6 +113,16 @@ class Failed:
         return self.kind(self.message)
 
 
+def unbox(box: list, what: str) -> Any:
+    """What the audit hook put in `box` for a call it ran: the value, or its failure raised here."""
+    if not box:
+        raise RuntimeError(f"distlab grade: {what} did not run (the grader's audit hook is missing, or the call "
+                           "was not distlab's)")
+    if type(box[0]) is Failed:
+        raise box[0].exception()
+    return box[0]
+
+
 class MeteredGroup(dist.ProcessGroup):
     """A process group whose every call is run (and booked) by the grader's audit hook."""
 
@@ -125,12 +135,7 @@ class MeteredGroup(dist.ProcessGroup):
     def _op(self, name: str, args: tuple) -> Any:
         box: list = []
         _audit("distlab.pg.op", self, name, box, args)
-        if not box:
-            raise RuntimeError(f"distlab grade: the call {name} was not run (the grader's audit hook is missing, "
-                               "or the call was not distlab's)")
-        if type(box[0]) is Failed:
-            raise box[0].exception()
-        return box[0]
+        return unbox(box, f"the call {name}")
 
     # -- names torch reads ------------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -206,8 +211,5 @@ def create(opts: Any, backend_options: Any = None, *, backend_name: str) -> Mete
     box: list = []
     _audit("distlab.pg.create", group, opts.store, opts.group_rank, opts.group_size, opts.timeout,
            list(opts.global_ranks_in_group), box)
-    if not box:
-        raise RuntimeError("distlab grade: the process group was not created (the grader's audit hook is missing)")
-    if type(box[0]) is Failed:
-        raise box[0].exception()
+    unbox(box, "creating the process group")
     return group
