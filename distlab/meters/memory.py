@@ -15,6 +15,16 @@ booked as a free of the old bytes and an allocation of the new ones (freeing
 a storage made before tracking began lowers `current_bytes` below zero, as
 CUDA's counters would).
 
+A collective's own hold on a tensor is not the program's. gloo's worker thread marks an op done (so
+`wait()` returns) and only then drops the op, which holds the op's tensors: a temporary the program
+dropped right after a synchronous collective (`all_gather(out, shard.clone())`) stays alive a moment
+longer, and an allocation in that moment would count it (measured: the last reference is the
+worker's in about a quarter of such calls). The tracker books such a storage -- one handed to a c10d
+op (or to a functional collective, DTensor's, whose completion is its `wait_tensor`) and freed by a
+thread other than the program's -- as freed when its op completed, and lowers the peak of every
+moment after that completion by its bytes. A read (`peak_bytes`, `current_bytes`, `stats()`,
+`reset_peak()`) first gives that thread a moment to finish (`_settle`: 50 ms after the op at most).
+
 What the CPU tracker cannot see: storages created outside the dispatcher
 (`torch.from_numpy`, unpickling, buffers private to a C++ library such as
 gloo's send/recv staging), and memory that is not a tensor (Python objects,
@@ -22,7 +32,11 @@ the CUDA context).
 """
 from __future__ import annotations
 
+import sys
+import threading
+import time
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -44,18 +58,91 @@ class MemoryStats:
 class _StorageTracker(EagerMode):
     """Counts bytes of storages born inside the mode, until each is freed."""
 
+    HOLD_S = 5.0    # a backend that drops an op's tensors later than this after completion is not corrected
+    GRACE_S = 0.05  # how long a read waits for the backend to drop the tensors of an op that just completed
+
     def __init__(self, book_frees: bool = False) -> None:
         super().__init__()
         # book_frees: as CUDA's allocator counters do, a storage made before the block that the block frees
         # counts as minus its bytes (the strict backend's ranks measure as a GPU would).
         self.book_frees = book_frees
-        self.current_bytes = 0
-        self.peak_bytes = 0
+        self._current = 0
+        self._peak = 0
         self._live: dict[int, int] = {}  # storage data_ptr -> nbytes
         self._preexisting: set[int] = set()
+        # Finalizers run on whichever thread drops a storage's last reference (gloo's worker, too).
+        self._lock = threading.RLock()
+        self._program = threading.get_ident()
+        self._seq = 0                            # moments: allocations, op completions, resets
+        self._completed: dict[int, tuple[int, float]] = {}  # key -> (moment its c10d op completed, when)
+        self._log: deque[list[int]] = deque()    # [moment, current bytes] since the oldest of those
+        self._floor = 0                          # the phase's peak before the log's first moment
+        self._recent: deque[tuple[float, list[Any]]] = deque()  # (when, weakrefs to the op's tensors)
+        self._functional: dict[int, tuple[list[int], list[Any]]] = {}  # output key -> its op's tensors
+
+    # ---- what a reader sees -----------------------------------------------------------------
+
+    @property
+    def current_bytes(self) -> int:
+        self._settle()
+        return self._current
+
+    @property
+    def peak_bytes(self) -> int:
+        self._settle()
+        return self._peak
+
+    def reset_peak(self) -> None:
+        """From now on, the peak is measured from the current bytes (the peak of one phase)."""
+        self._settle()
+        with self._lock:
+            self._seq += 1
+            self._peak = self._floor = self._current
+            self._log.clear()
+            if self._completed:
+                self._log.append([self._seq, self._current])
+                self._floor = 0
+
+    def stats(self) -> MemoryStats:
+        self._settle()
+        return MemoryStats(self._current, self._peak)
+
+    # ---- booking ----------------------------------------------------------------------------
 
     def _release(self, key: int) -> None:
-        self.current_bytes -= self._live.pop(key, 0)
+        with self._lock:
+            nbytes = self._live.pop(key, 0)
+            self._current -= nbytes
+            done = self._completed.pop(key, None)
+            self._functional.pop(key, None)
+            if done is not None and nbytes and threading.get_ident() != self._program:
+                # The backend's thread held the last reference: the program had let go by the time
+                # the op completed. Book the free at that moment.
+                for moment in self._log:
+                    if moment[0] > done[0]:
+                        moment[1] -= nbytes
+                self._peak = max([self._floor] + [c for _, c in self._log])
+            self._trim()
+
+    def _booked(self) -> None:
+        """After the current bytes grew: the peak, and the log while an op's tensors may be held by it."""
+        self._seq += 1
+        self._peak = max(self._peak, self._current)
+        if self._completed:
+            self._log.append([self._seq, self._current])
+            self._trim()
+
+    def _trim(self) -> None:
+        """Forget completions older than HOLD_S, and the moments no completion can correct."""
+        now = time.monotonic()
+        while self._completed:
+            key, (moment, when) = next(iter(self._completed.items()))
+            if now - when < self.HOLD_S:
+                break
+            del self._completed[key]
+        oldest = next(iter(self._completed.values()))[0] if self._completed else None
+        while self._log and (oldest is None or self._log[0][0] <= oldest):
+            self._floor = max(self._floor, self._log.popleft()[1])
 
     def _remember_preexisting(self, storage: torch.UntypedStorage) -> None:
         key = storage.data_ptr()
@@ -65,34 +152,108 @@ class _StorageTracker(EagerMode):
             weakref.finalize(storage, self._forget_preexisting, key, storage.nbytes())
 
     def _forget_preexisting(self, key: int, nbytes: int) -> None:
-        self._preexisting.discard(key)
-        if self.book_frees:
-            self.current_bytes -= nbytes
+        with self._lock:
+            self._preexisting.discard(key)
+            if self.book_frees:
+                self._current -= nbytes
 
     def _note(self, storage: torch.UntypedStorage) -> None:
         key = storage.data_ptr()
-        if key == 0 or key in self._live or key in self._preexisting:
-            return
-        nbytes = storage.nbytes()
-        self._live[key] = nbytes
-        self.current_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        with self._lock:
+            if key == 0 or key in self._live or key in self._preexisting:
+                return
+            nbytes = storage.nbytes()
+            self._live[key] = nbytes
+            self._current += nbytes
+            self._booked()
         weakref.finalize(storage, self._release, key)
+
+    # ---- a collective's hold on the program's tensors ----------------------------------------
+
+    def _watch(self, out: Any, tensors: list[torch.Tensor]) -> None:
+        """When the c10d op whose result is `out` completes, remember its tensors' storages (`_on_complete`)."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        tensors = [t for t in tensors if not isinstance(t, FakeTensor)]  # a simulation has no backend thread
+        keys = [k for k in (_local(t).untyped_storage().data_ptr() for t in tensors) if k in self._live]
+        works = [w for w in tree_leaves(out) if isinstance(w, torch.ScriptObject)]
+        if not keys or not works:
+            return
+        from torch.distributed import Work
+        try:
+            future = Work.unbox(works[-1]).get_future()
+        except (RuntimeError, TypeError, AttributeError):
+            return  # a Work without a future: nothing to correct
+        refs = [weakref.ref(t) for t in tensors]
+        me = weakref.ref(self)
+
+        def done(_: Any) -> None:
+            tracker = me()
+            if tracker is not None:
+                tracker._on_complete(keys, refs)
+        future.add_done_callback(done)
+
+    def _watch_functional(self, func: Any, out: Any, leaves: list[torch.Tensor]) -> None:
+        """A functional collective (DTensor's) returns its output and keeps its Work to itself until
+        `wait_tensor(output)`, whose return is the completion the program sees: its tensors (the op's
+        inputs and outputs) are remembered then."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            waited = self._functional.pop(_local(leaves[0]).untyped_storage().data_ptr(), None) if leaves else None
+            if waited is not None:
+                self._on_complete(*waited)
+            return
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        tensors = [t for t in leaves + outs if not isinstance(t, FakeTensor)]
+        keys = [k for k in (_local(t).untyped_storage().data_ptr() for t in tensors) if k in self._live]
+        if keys and len(tensors) == len(leaves) + len(outs):
+            refs = [weakref.ref(t) for t in tensors]
+            for t in outs:
+                self._functional[_local(t).untyped_storage().data_ptr()] = (keys, refs)
+
+    def _on_complete(self, keys: list[int], refs: list[Any]) -> None:
+        with self._lock:
+            self._seq += 1
+            if not self._completed:
+                self._floor = self._peak
+            for key in keys:
+                if key in self._live:
+                    self._completed.pop(key, None)   # re-inserted: the dict stays oldest first
+                    self._completed[key] = (self._seq, time.monotonic())
+            self._recent.append((time.monotonic(), refs))
+
+    def _settle(self) -> None:
+        """Before a read: give the backend's thread a moment (GRACE_S after the op completed, at most) to
+        drop the tensors of a just-completed op that the program may no longer hold (`_maybe_held_by_backend`).
+
+        Dropping a tensor's last C++ reference takes the GIL (torch releases the Python object then), so
+        a thread that dropped one may be waiting for the GIL, which the read gives away while it waits."""
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                while self._recent and now - self._recent[0][0] >= self.GRACE_S:
+                    self._recent.popleft()
+                waiting = any(_maybe_held_by_backend(r) for _, refs in self._recent for r in refs)
+            if not waiting:
+                return
+            time.sleep(0.001)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.book_frees and func.namespace == "c10d":
             # On the strict backend a c10d op's tensors are its private buffers, not the program's.
             return func(*args, **kwargs)
-        inputs = {_local(t).untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        inputs = {_local(t).untyped_storage().data_ptr() for t in leaves}
         if self.book_frees:
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                    storage = _local(t).untyped_storage()
-                    if storage.data_ptr() not in self._live and storage.nbytes():
-                        self._remember_preexisting(storage)
+            for t in leaves:
+                storage = _local(t).untyped_storage()
+                if storage.data_ptr() not in self._live and storage.nbytes():
+                    self._remember_preexisting(storage)
         out = func(*args, **kwargs)
+        if func.namespace == "c10d":
+            self._watch(out, leaves)
+        elif func.namespace == "_c10d_functional":
+            self._watch_functional(func, out, leaves)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = _local(t).untyped_storage()
@@ -107,23 +268,29 @@ class _StorageTracker(EagerMode):
 
     def on_resize(self, old_key: int, old_bytes: int, storage: torch.UntypedStorage) -> None:
         """Book `storage.resize_()`: the old bytes are freed, the new ones allocated."""
-        if old_key in self._live:
-            self._release(old_key)
-        elif old_bytes:
-            self.current_bytes -= old_bytes
-        key = storage.data_ptr()
-        if storage.nbytes() and key not in self._live:
+        with self._lock:
+            if old_key in self._live:
+                self._release(old_key)
+            elif old_bytes:
+                self._current -= old_bytes
+            key = storage.data_ptr()
+            if not storage.nbytes() or key in self._live:
+                return
             self._live[key] = storage.nbytes()
-            self.current_bytes += storage.nbytes()
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-            weakref.finalize(storage, self._release, key)
+            self._current += storage.nbytes()
+            self._booked()
+        weakref.finalize(storage, self._release, key)
 
-    def reset_peak(self) -> None:
-        """From now on, the peak is measured from the current bytes (the peak of one phase)."""
-        self.peak_bytes = self.current_bytes
 
-    def stats(self) -> MemoryStats:
-        return MemoryStats(self.current_bytes, self.peak_bytes)
+def _maybe_held_by_backend(ref: Any) -> bool:
+    """Whether the tensor behind `ref` may be alive only because a backend's thread has not finished
+    dropping it: no Python reference of the program's but the TensorImpl's own (C++ still holds it: a
+    finished op the backend has not dropped, also autograd or a view's base), or one (the program's, or the
+    TensorImpl's in the moment after C++ dropped its last reference and before that thread got the GIL to
+    release the Python object: the two cannot be told apart)."""
+    t = ref()
+    # references to the object: `t`, getrefcount's argument, and the one above
+    return t is not None and sys.getrefcount(t) <= 3
 
 
 @contextmanager
