@@ -113,6 +113,43 @@ def test_message_costs_read_hop_late_and_gap_off_the_schedules_own_steps():
     assert alone["hop"] is None and alone["late"] is None and alone["gap"] == pytest.approx((0.1 + 3.55 + 0.25) / 3)
 
 
+def test_delays_drawn_per_action_lengthen_a_step_that_waits_at_joins():
+    import random
+    kw = dict(t_f=1, t_b=2, rendezvous=True)
+    fixed = sim.simulate(sim.one_f_one_b_order, 4, 8, t_p2p=0.3, t_gap=0.1, t_late=0.4, **kw)
+    drawn = sim.simulate(sim.one_f_one_b_order, 4, 8, t_p2p=lambda: 0.3, t_gap=lambda: 0.1, t_late=lambda: 0.4, **kw)
+    assert drawn == fixed                                          # a draw that always says the same: the same spans
+    # a hop of 0 or 0.6 (mean 0.3): an action starts at the later of its inputs, so the step is longer on average
+    # than with the mean hop (a step's length is a max of sums: convex in each delay)
+    rng = random.Random(0)
+    lengths = [sim.makespan(sim.simulate(sim.one_f_one_b_order, 4, 8, t_p2p=lambda: rng.choice([0.0, 0.6]),
+                                         t_gap=0.1, t_late=0.4, **kw)) for _ in range(50)]
+    assert sum(lengths) / len(lengths) > sim.makespan(fixed) + 1.0, (sim.makespan(fixed), lengths)
+
+
+def test_drawn_bubble_draws_the_runs_own_durations_and_delays():
+    from distlab.course.pipeline.measure import drawn_bubble
+
+    def span(name, start, end):
+        return {"name": name, "kind": "compute", "start": start, "end": end}
+    # GPipe, 2 ranks, m = 1, two steps: rank 0's forward took 1 and 3, rank 1's 1 and 2, its backward 1.5 and 2.5;
+    # no gap, a hop of 0.5 each way, no late receiver (`late`, the fallback: 0.5, so never the later input)
+    steps0 = [[span("F0.0", 0, 1), span("BW0.0", 4.5, 6.5)], [span("F0.0", 0, 3), span("BW0.0", 8.5, 10.5)]]
+    steps1 = [[span("F0.1", 1.5, 2.5), span("BW0.1", 2.5, 4)], [span("F0.1", 3.5, 5.5), span("BW0.1", 5.5, 8)]]
+    per_rank = [{"ScheduleGPipe": {"steps": steps0, "chunks": [0]}}, {"ScheduleGPipe": {"steps": steps1, "chunks": [1]}}]
+    got = drawn_bubble(per_rank, "ScheduleGPipe", sim.gpipe_order, 2, 1, late=0.5, draws=400, t_f=1, t_b=1)
+    # every draw is one of the measured steps' durations: the mean bubble over the 8 combinations of (rank 0's F,
+    # rank 1's F, rank 1's BW) with rank 0's BW 2, each equally likely
+    want = []
+    for f0 in (1, 3):
+        for f1 in (1, 2):
+            for b1 in (1.5, 2.5):
+                window = f0 + 0.5 + f1 + b1 + 0.5 + 2
+                want.append(1 - (f0 + 2 + f1 + b1) / (2 * window))
+    assert got == pytest.approx(sum(want) / len(want), abs=0.01)
+    assert got == drawn_bubble(per_rank, "ScheduleGPipe", sim.gpipe_order, 2, 1, late=0.5, draws=400, t_f=1, t_b=1)
+
+
 def test_stage_of_places_two_chunks_in_a_v():
     # p = 2, v = 2, one micro-batch through 4 stages, each action 0.5, a message 0.1. Rank r holds chunks r and
     # r + p by default (every boundary crosses ranks: 6 messages), or r and 2p - 1 - r as ZBV does (stages 1 and 2

@@ -308,14 +308,10 @@ def overheads_of(per_rank: Sequence[Mapping[str, Any]], name: str) -> dict[str, 
     return {"hop": statistics.median(hops), "gap": statistics.median(gaps)}
 
 
-def action_costs(per_rank: Sequence[Mapping[str, Any]], name: str) -> Callable[[str, int, int], float]:
-    """What each action of PyTorch's schedule `name` cost in a `torch_schedules` run, for `simulate`'s `cost_of`:
-    (kind, micro-batch, stage) -> the mean seconds of that kind of action on that stage over every measured
-    step and micro-batch ("B" for a whole backward, "BW" on the timelines; the mean, not the median: a step
-    adds up its actions, the slow ones too). The fixed cost's split as it really ran: a zero-bubble stage 0 has
-    no input gradient to compute (its input is token ids), so its "I" step costs almost nothing and its W
-    carries the whole backward; and each includes PyTorch's own work inside the call (the split backward's
-    two halves each a little over c / v)."""
+def action_samples(per_rank: Sequence[Mapping[str, Any]], name: str) -> dict[tuple[str, int], list[float]]:
+    """Every duration each kind of action of PyTorch's schedule `name` took in a `torch_schedules` run:
+    (kind, stage) -> seconds, over every measured step and micro-batch ("B" for a whole backward, "BW" on the
+    timelines)."""
     seen: dict[tuple[str, int], list[float]] = {}
     for r, rank in enumerate(per_rank):
         chunks = rank[name]["chunks"]
@@ -325,7 +321,17 @@ def action_costs(per_rank: Sequence[Mapping[str, Any]], name: str) -> Callable[[
                 kind = head.rstrip("0123456789")
                 seen.setdefault(({"BW": "B"}.get(kind, kind), int(stage) if stage else chunks[0]), []).append(
                     sp["end"] - sp["start"])
-    costs = {k: statistics.fmean(x) for k, x in seen.items()}
+    return seen
+
+
+def action_costs(per_rank: Sequence[Mapping[str, Any]], name: str) -> Callable[[str, int, int], float]:
+    """What each action of PyTorch's schedule `name` cost in a `torch_schedules` run, for `simulate`'s `cost_of`:
+    (kind, micro-batch, stage) -> the mean seconds of that kind of action on that stage over every measured
+    step and micro-batch (`action_samples`; the mean, not the median: a step adds up its actions, the slow ones
+    too). The fixed cost's split as it really ran: a zero-bubble stage 0 has no input gradient to compute (its
+    input is token ids), so its "I" step costs almost nothing and its W carries the whole backward; and each
+    includes PyTorch's own work inside the call (the split backward's two halves each a little over c / v)."""
+    costs = {k: statistics.fmean(x) for k, x in action_samples(per_rank, name).items()}
     return lambda kind, i, stage: costs.get((kind, stage))
 
 
@@ -414,6 +420,35 @@ def message_costs(per_rank: Sequence[Mapping[str, Any]], name: str,
                 if send + 0.005 <= free and (post <= send or post + 0.005 <= free):
                     gaps.append(sp["start"] - free)          # the message was there long before
     return {k: average(x) if x else None for k, x in (("hop", hops), ("late", lates), ("gap", gaps))}
+
+
+def drawn_bubble(per_rank: Sequence[Mapping[str, Any]], name: str, schedule: Callable[..., Sequence[tuple]], p: int,
+                 m: int, *, late: float, draws: int = 200, seed: int = 0, **costs: Any) -> float:
+    """The bubble `simulate` predicts for PyTorch's schedule `name` with the spread its own run showed, not only
+    its means: each action's duration drawn from what that kind of action took on that stage (`action_samples`),
+    each message's and pause's delay from the hops, late receivers and gaps `message_costs` read off the same
+    steps; the mean bubble over `draws` seeded draws. A step's length is the longest chain of delays through its
+    joins (an action starts when the later of its inputs is there), so a delay that varies lengthens it on
+    average, even with the same mean: the means alone under-predict, most where a schedule leaves no slack
+    (the zero-bubble tables). `late`: the late receiver's delay where the run had none (GPipe's table). `costs`:
+    `simulate`'s (t_f, t_b, t_w, v, stage_of), `posts` from the run (`torch_posts`)."""
+    import random
+
+    from distlab.course.pipeline.simulate import simulate
+    spread = message_costs(per_rank, name, average=list)
+    acts = action_samples(per_rank, name)
+    rng = random.Random(seed)
+    hops, gaps, lates = spread["hop"], spread["gap"], spread["late"] or [late]
+
+    def cost_of(kind: str, i: int, stage: int) -> float | None:
+        seen = acts.get((kind, stage))
+        return rng.choice(seen) if seen else None
+
+    runs = [bubble(simulate(schedule, p, m, t_p2p=lambda: rng.choice(hops), t_gap=lambda: rng.choice(gaps),
+                            t_late=lambda: rng.choice(lates), posts=torch_posts(per_rank, name), cost_of=cost_of,
+                            **costs))
+            for _ in range(draws)]
+    return statistics.fmean(runs)
 
 
 def torch_order(per_rank: Sequence[Mapping[str, Any]], name: str) -> tuple[Callable[..., list], Callable[[int, int], int]]:

@@ -73,9 +73,12 @@ def zero_bubble_order(p: int, m: int, r: int) -> list[Action]:
     return out + [("W", i) for i in pending]
 
 
+Delay = float | Callable[[], float]   # seconds, or a draw of them (one per message or pause)
+
+
 def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: float = 1.0, t_b: float = 2.0,
-             t_w: float = 0.0, v: int = 1, t_p2p: float = 0.0, rendezvous: bool = False,
-             t_gap: float = 0.0, t_late: float | None = None,
+             t_w: float = 0.0, v: int = 1, t_p2p: Delay = 0.0, rendezvous: bool = False,
+             t_gap: Delay = 0.0, t_late: Delay | None = None,
              stage_of: Callable[[int, int], int] | None = None,
              cost_of: Callable[[str, int, int], float | None] | None = None,
              posts: Callable[[int], Sequence[int | None]] | None = None) -> list[dict[str, Any]]:
@@ -97,6 +100,8 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     receive of its input is posted (PyTorch's lowered tables post a receive ahead of the action that needs it;
     None: when the rank gets to that action): a message sent before its receive is posted arrives `t_late` after
     the post, one sent after it `t_p2p` after the send (this replaces the default rule for those actions).
+    `t_p2p`, `t_gap` and `t_late` may also be draws (a function called for each message or pause, e.g. picking
+    one of the measured values): each action's delays are then drawn once, when it is placed.
     Raises ValueError if the orders deadlock (an action waits for one that can never run), naming the rank and
     the action.
     """
@@ -110,7 +115,15 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     if sorted(owner) != list(range(n)):
         raise ValueError(f"stage_of must place the {n} stages 0..{n - 1} on the ranks, one each")
     pos = {(r, k, i, place(r, c)): j for r in range(p) for j, (k, i, c) in enumerate(orders[r])}
-    late = t_p2p if t_late is None else t_late
+    late_delay = t_p2p if t_late is None else t_late
+    draws = {"hop": t_p2p, "gap": t_gap, "late": late_delay}
+    delay = {k: (x if not callable(x) else 0.0) for k, x in draws.items()}    # this action's delays
+
+    def draw() -> None:
+        for k, x in draws.items():
+            if callable(x):
+                delay[k] = x()
+    draw()
     posted_at = None if posts is None else [list(posts(r)) for r in range(p)]
     end: dict[tuple[str, int, int], float] = {}        # (kind, micro-batch, stage) -> end time
     ends: list[list[float]] = [[] for _ in range(p)]   # per rank, the end of each action run so far
@@ -131,7 +144,8 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
 
     def ready(r: int, kind: str, i: int, c: int) -> float | None:
         s = place(r, c)
-        start = free[r] + (t_gap if nxt[r] else 0.0)
+        hop, gap, late = delay["hop"], delay["gap"], delay["late"]
+        start = free[r] + (gap if nxt[r] else 0.0)
         if rendezvous and nxt[r] > 0:                   # my last action's send must have been received
             pk, pi, pc = orders[r][nxt[r] - 1]
             to = consumer(pk, pi, place(r, pc))
@@ -139,7 +153,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
                 at = posted(*to)
                 if at is None:
                     return None
-                start = max(start, ends[r][-1] + t_p2p, at + late)     # a late receiver: the round trip
+                start = max(start, ends[r][-1] + hop, at + late)     # a late receiver: the round trip
         deps: list[tuple[str, int, int]] = []
         if kind == "F" and s > 0:
             deps.append(("F", i, s - 1))
@@ -158,13 +172,13 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
             elif posted_at is not None:
                 k = posted_at[r][nxt[r]]                          # the receive: posted when action k - 1 ends
                 at = free[r] if k is None else ends[r][k - 1] if k else 0.0
-                start = max(start, end[key] + t_p2p if at <= end[key] else at + late)
+                start = max(start, end[key] + hop if at <= end[key] else at + late)
             elif rendezvous:
-                start = max(start, end[key] + t_p2p, free[r] + late)
+                start = max(start, end[key] + hop, free[r] + late)
             elif t_late is not None:
-                start = max(start, end[key] + t_p2p, free[r] + t_late)
+                start = max(start, end[key] + hop, free[r] + late)
             else:
-                start = max(start, end[key] + t_p2p)
+                start = max(start, end[key] + hop)
         return start
 
     total = sum(len(o) for o in orders)
@@ -188,6 +202,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
                 spans.append({"rank": r, "name": name, "start": start, "end": start + cost, "kind": "compute"})
                 nxt[r] += 1
                 progressed = True
+                draw()
         if not progressed:
             stuck = {r: orders[r][nxt[r]] for r in range(p) if nxt[r] < len(orders[r])}
             raise ValueError(f"the schedule deadlocks: each rank's next action waits for one that never runs: {stuck}")
