@@ -150,6 +150,24 @@ def test_drawn_bubble_draws_the_runs_own_durations_and_delays():
     assert got == drawn_bubble(per_rank, "ScheduleGPipe", sim.gpipe_order, 2, 1, late=0.5, draws=400, t_f=1, t_b=1)
 
 
+def test_runner_message_costs_read_the_sweeps_own_waits():
+    from distlab.course.pipeline.measure import runner_message_costs
+
+    def span(name, start, end):
+        return {"name": name, "kind": "compute", "start": start, "end": end}
+    # GPipe on 2 ranks, m = 2, the runner's rendezvous. Rank 0: F1 after its send of F0 to a waiting rank 1 (hop
+    # 0.2); B0 after rank 1's gradient, sent after rank 0 got free (hop 0.25; rank 1 had posted F1's receive at
+    # 2.3, earlier); B1's gradient sent before rank 0 got there (late 0.35). Rank 1: F1's input sent before it got
+    # there (late 0.3); B0 waits for nothing (gap 0.1); B1 after its send to a rank 0 that had posted (hop 0.15).
+    r0 = [span("F0", 0, 1), span("F1", 1.2, 2.2), span("B0", 5.95, 7.95), span("B1", 8.3, 10.3)]
+    r1 = [span("F0", 1.3, 2.3), span("F1", 2.6, 3.6), span("B0", 3.7, 5.7), span("B1", 5.85, 7.85)]
+    per_rank = [{("gpipe", 2): [{"spans": r0}]}, {("gpipe", 2): [{"spans": r1}]}]
+    got = runner_message_costs(per_rank, "gpipe", 2, sim.gpipe_order)
+    assert got == pytest.approx({"hop": 0.2, "late": 0.325, "gap": 0.1})
+    alone = runner_message_costs(per_rank[:1], "gpipe", 2, sim.gpipe_order)   # one rank: no message either way
+    assert alone["hop"] is None and alone["late"] is None and alone["gap"] == pytest.approx((0.2 + 3.75 + 0.35) / 3)
+
+
 def test_stage_of_places_two_chunks_in_a_v():
     # p = 2, v = 2, one micro-batch through 4 stages, each action 0.5, a message 0.1. Rank r holds chunks r and
     # r + p by default (every boundary crosses ranks: 6 messages), or r and 2p - 1 - r as ZBV does (stages 1 and 2

@@ -175,6 +175,54 @@ def hop_s(runner: type, schedule: Schedule, cost: float, repeats: int, micro: in
     return {"hop": statistics.median(hops), "gap": statistics.median(gaps), "late": statistics.median(late.tolist())}
 
 
+def runner_message_costs(per_rank: Sequence[Mapping[Any, Any]], name: str, m: int, schedule: Schedule,
+                         average: Callable[[Sequence[float]], float] = statistics.fmean) -> dict[str, float | None]:
+    """`predicted_bubble`'s hop, late and gap read off a `sweep`'s own steps of schedule `name` at m micro-batches
+    (the runner's rendezvous: a send completes once its receiver has posted the receive, and the sender waits
+    for it). Per measured step, rank and action, against the end of the rank's previous action (`free`), what
+    the action started after, the latest of:
+
+    - its input's send (`send`: the end of the producing action on the neighbouring rank), if later than `free`:
+      the receiver waited, `hop` = start - send;
+    - the post of the receive that takes its previous action's message (`at`: the end of the action before the
+      consuming one on the neighbour), if later than `free`: the sender waited for a late receiver, `late` =
+      start - at;
+    - `free` itself, when a message was involved (an input sent before the rank got there: `late`, the receiver's
+      round trip; or its own send to a receiver already waiting: `hop`);
+    - with no message either way, `gap` = start - free.
+
+    `average` over every such action of every step (the mean: a step adds them up). None where the steps have no
+    action of a kind. Unlike `hop_s` (2 ranks, m = 1 and 2, measured apart, the last stage's loss inside its
+    gap) these are the sweep point's own: its ranks, its load, its kinds of wait."""
+    p = len(per_rank)
+    orders = [[f"{k}{i}" for k, i in schedule(p, m, r)] for r in range(p)]
+    seen: dict[str, list[float]] = {"hop": [], "late": [], "gap": []}
+    for runs in zip(*(rank[name, m] for rank in per_rank)):
+        spans = [{x["name"]: x for x in _rows(run["spans"])} for run in runs]
+        for r, seq in enumerate(orders):
+            for j in range(1, len(seq)):
+                action, prev = seq[j], seq[j - 1]
+                free, start = spans[r][prev]["end"], spans[r][action]["start"]
+                refs: list[tuple[float, str]] = []                    # (reference time, kind of wait)
+                to = r + 1 if prev[0] == "F" else r - 1               # who receives my previous action's message
+                if 0 <= to < p:
+                    k = orders[to].index(prev)
+                    at = spans[to][orders[to][k - 1]]["end"] if k else float("-inf")
+                    refs.append((at, "late") if at > free else (free, "hop"))
+                src = r - 1 if action[0] == "F" else r + 1            # who sends my input
+                if 0 <= src < p:
+                    send = spans[src][action]["end"]
+                    refs.append((send, "hop") if send > free else (free, "late"))
+                if not refs:
+                    seen["gap"].append(start - free)
+                    continue
+                t, kind = max(refs)
+                if t == free and (free, "late") in refs:              # both at `free`: the round trip is the longer
+                    kind = "late"
+                seen[kind].append(start - t)
+    return {k: average(x) if x else None for k, x in seen.items()}
+
+
 def predicted_bubble(schedule: Schedule, p: int, m: int, cost: float, hop: float, gap: float = 0.0,
                      late: float | None = None) -> float:
     """The bubble of `schedule` when F costs `cost`, B 2 `cost`, a message between ranks `hop` seconds
