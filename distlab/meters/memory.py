@@ -170,45 +170,49 @@ class _StorageTracker(EagerMode):
 
     # ---- a collective's hold on the program's tensors ----------------------------------------
 
+    def _held(self, tensors: list[torch.Tensor]) -> tuple[list[int], list[Any]] | None:
+        """What an op's tensors leave to watch: the keys of the storages this tracker counts, and weak
+        references to the tensors (for `_settle`); None when there is nothing to correct. A fake tensor
+        (a simulation) has no backend thread to wait for."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            return None
+        keys = [k for k in (_local(t).untyped_storage().data_ptr() for t in tensors) if k in self._live]
+        return (keys, [weakref.ref(t) for t in tensors]) if keys else None
+
     def _watch(self, out: Any, tensors: list[torch.Tensor]) -> None:
         """When the c10d op whose result is `out` completes, remember its tensors' storages (`_on_complete`)."""
-        from torch._subclasses.fake_tensor import FakeTensor
-        tensors = [t for t in tensors if not isinstance(t, FakeTensor)]  # a simulation has no backend thread
-        keys = [k for k in (_local(t).untyped_storage().data_ptr() for t in tensors) if k in self._live]
+        held = self._held(tensors)
         works = [w for w in tree_leaves(out) if isinstance(w, torch.ScriptObject)]
-        if not keys or not works:
+        if held is None or not works:
             return
         from torch.distributed import Work
         try:
             future = Work.unbox(works[-1]).get_future()
         except (RuntimeError, TypeError, AttributeError):
             return  # a Work without a future: nothing to correct
-        refs = [weakref.ref(t) for t in tensors]
         me = weakref.ref(self)
 
         def done(_: Any) -> None:
             tracker = me()
             if tracker is not None:
-                tracker._on_complete(keys, refs)
+                tracker._on_complete(*held)
         future.add_done_callback(done)
 
     def _watch_functional(self, func: Any, out: Any, leaves: list[torch.Tensor]) -> None:
         """A functional collective (DTensor's) returns its output and keeps its Work to itself until
         `wait_tensor(output)`, whose return is the completion the program sees: its tensors (the op's
         inputs and outputs) are remembered then."""
-        from torch._subclasses.fake_tensor import FakeTensor
         if func is torch.ops._c10d_functional.wait_tensor.default:
             waited = self._functional.pop(_local(leaves[0]).untyped_storage().data_ptr(), None) if leaves else None
             if waited is not None:
                 self._on_complete(*waited)
             return
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
-        tensors = [t for t in leaves + outs if not isinstance(t, FakeTensor)]
-        keys = [k for k in (_local(t).untyped_storage().data_ptr() for t in tensors) if k in self._live]
-        if keys and len(tensors) == len(leaves) + len(outs):
-            refs = [weakref.ref(t) for t in tensors]
+        held = self._held(leaves + outs)
+        if held is not None:
             for t in outs:
-                self._functional[_local(t).untyped_storage().data_ptr()] = (keys, refs)
+                self._functional[_local(t).untyped_storage().data_ptr()] = held
 
     def _on_complete(self, keys: list[int], refs: list[Any]) -> None:
         with self._lock:
