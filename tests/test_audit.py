@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
+from distlab.engine.launch import run_on_ranks
 from distlab.engine.audit import lint_notebook, lint_source
 from distlab.course.models import build_model, lm_loss, synthetic_batch
 
@@ -65,7 +66,7 @@ def _meshless_fully_shard():
 
 
 def test_placed_code_passes_the_audit(no_orphans):
-    out = distlab.launch(_placed_training_step, 2, audit=True)
+    out = run_on_ranks(_placed_training_step, 2, audit=True)
     assert out[0] == out[1]
 
 
@@ -79,7 +80,7 @@ def test_placed_code_passes_the_audit(no_orphans):
         "fully-shard-without-mesh"])
 def test_each_defect_class_is_caught_with_its_line(fn, words, no_orphans):
     with pytest.raises(distlab.RankFailed) as info:
-        distlab.launch(fn, 2, audit=True)
+        run_on_ranks(fn, 2, audit=True)
     assert info.value.exc_type == "DeviceAuditError"
     for w in words:
         assert w in str(info.value), (w, str(info.value))
@@ -87,8 +88,8 @@ def test_each_defect_class_is_caught_with_its_line(fn, words, no_orphans):
 
 def test_the_same_defects_pass_silently_without_the_audit(no_orphans):
     # ... which is why the audit exists: on CPU ranks these bugs are invisible.
-    distlab.launch(_host_tensor_into_all_reduce, 2, audit=False)
-    distlab.launch(_host_batch, 2, audit=False)
+    run_on_ranks(_host_tensor_into_all_reduce, 2, audit=False)
+    run_on_ranks(_host_batch, 2, audit=False)
 
 
 def test_environment_variable_turns_the_audit_on(monkeypatch, no_orphans):

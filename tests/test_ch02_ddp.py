@@ -29,7 +29,7 @@ def _mixed_ddp_steps(steps: int):
 
 def test_ddp_with_mixed_precision_adam_two_ranks():
     psi = num_params(build_model("tiny"))
-    out = distlab.launch(_mixed_ddp_steps, 2, 3)
+    out = distlab.launch(_mixed_ddp_steps, 2, args=(3,))
     (s0, c0, m0), (s1, c1, m1) = out
     for state in (s0, s1):  # every rank holds all of it: 2 + 2 + 12 bytes per parameter
         assert (state.params, state.grads, state.optimizer_state) == (2 * psi, 2 * psi, 12 * psi)

@@ -61,7 +61,7 @@ def test_model_state_and_traffic_bytes_do_not_depend_on_native_bf16(tmp_path, mo
     for native in ("0", "1"):
         monkeypatch.setenv("DISTLAB_RESULTS", str(tmp_path / native))
         names = ("zero1", "zero1_torch")
-        by_rank = distlab.launch(_measure_forced, n, native, build, names)
+        by_rank = distlab.launch(_measure_forced, n, args=(native, build, names))
         for k, name in enumerate(names):
             outs = [per_rank[k] for per_rank in by_rank]
             assert {o["compute_dtype"] for o in outs} == {"torch.float32" if native == "0" else "torch.bfloat16"}

@@ -32,7 +32,7 @@ def _zero1_torch_step(steps: int):
 
 def test_zero_redundancy_optimizer_shards_state_but_broadcasts():
     n, psi = 2, num_params(build_model("tiny"))
-    out = distlab.launch(_zero1_torch_step, n, 2)
+    out = distlab.launch(_zero1_torch_step, n, args=(2,))
     assert sum(s.optimizer_state for s, _ in out) == 12 * psi  # every parameter's state exactly once
     for state, comm in out:
         assert (state.params, state.grads) == (2 * psi, 2 * psi)  # replicated, as in DDP

@@ -43,7 +43,7 @@ def _fsdp_step(track_mem: bool):
 
 def test_fully_shard_without_reshard_sends_zero2_bytes_and_shards_states():
     n, psi = 2, num_params(build_model("tiny"))
-    for state, comm in distlab.launch(_fsdp_step, n, False):
+    for state, comm in distlab.launch(_fsdp_step, n, args=(False,)):
         assert set(comm.calls) == {"all_gather", "reduce_scatter"}
         assert comm.calls["all_gather"] == comm.calls["reduce_scatter"]  # one of each per unit
         assert comm.total_bytes == comm_bytes_per_rank(psi, n, stage=2, bytes_per_element=2)
@@ -55,7 +55,7 @@ def test_track_memory_sees_fully_shard_unsharded_parameters():
     # The CPU tracker books FSDP2's storage resizes: the parameters unsharded for forward (2 B each on
     # every rank, kept through backward with reshard_after_forward=False) must show in a step's peak.
     n, psi = 2, num_params(build_model("small"))
-    for peak in distlab.launch(_fsdp_step, n, True):
+    for peak in distlab.launch(_fsdp_step, n, args=(True,)):
         assert peak >= 2 * psi
 
 
@@ -71,8 +71,8 @@ def _zero2_bytes(native: str):
 
 def test_recorded_bytes_do_not_depend_on_the_compute_dtype():
     # The lesson is the recipe's bytes: bf16 storage and traffic, whatever the arithmetic runs in.
-    fp32 = distlab.launch(_zero2_bytes, 2, "0")
-    bf16 = distlab.launch(_zero2_bytes, 2, "1")
+    fp32 = distlab.launch(_zero2_bytes, 2, args=("0",))
+    bf16 = distlab.launch(_zero2_bytes, 2, args=("1",))
     assert [o[0] for o in fp32] == [torch.float32] * 2 and [o[0] for o in bf16] == [torch.bfloat16] * 2
     for a, b in zip(fp32, bf16):
         assert a[1] == b[1]                                   # model states, byte for byte

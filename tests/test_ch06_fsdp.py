@@ -48,7 +48,7 @@ def test_fully_shard_traffic_memory_and_values(reshard):
     psi = num_params(build_model("tiny"))
     ref = _single()
     want = traffic(psi, 0, 1, 2, 4, reshard)      # explicit True reshards the root too: 3Ψ; False: 2Ψ
-    for state, comm, params in distlab.launch(_fsdp_steps, 2, reshard):
+    for state, comm, params in distlab.launch(_fsdp_steps, 2, args=(reshard,)):
         assert comm.bytes == {"all_gather": want["all_gather"], "reduce_scatter": want["reduce_scatter"]}
         # At rest: fp32 param + grad + momentum shards, 12 B per parameter / N.
         assert state.total == 12 * psi // 2
@@ -77,8 +77,8 @@ def _bf16_policy(native: str):
 def test_the_bf16_policy_sends_bf16_bytes_whatever_the_compute_dtype():
     psi = num_params(build_model("tiny"))
     root = psi - sum(p.numel() for p in build_model("tiny").blocks.parameters())
-    fallback = distlab.launch(_bf16_policy, 2, "0")
-    native = distlab.launch(_bf16_policy, 2, "1")
+    fallback = distlab.launch(_bf16_policy, 2, args=("0",))
+    native = distlab.launch(_bf16_policy, 2, args=("1",))
     assert fallback[0][0] == [torch.float32] and native[0][0] == [torch.bfloat16]   # what the matmuls ran in
     for (_, a, _), (_, b, _) in zip(fallback, native):
         assert a.bytes == b.bytes                        # the recipe's bytes, unchanged by the fallback

@@ -38,7 +38,7 @@ def test_tp_step_peak_within_5_percent():
     from distlab.course.tensor_parallel.model import TP_PRESETS
     cfg, b, t = TP_PRESETS["tp-small"], 4, 2
     h, a, s, n_layers, v = cfg.d_model, cfg.n_heads, cfg.seq_len, cfg.n_layers, cfg.vocab_size
-    run = distlab.launch(tp_model_run, t, "tp-small", b, 2, 1, 1)[0]
+    run = distlab.launch(tp_model_run, t, args=("tp-small", b, 2, 1, 1))[0]
     peak = th.lm_train_peak_bytes(b, s, h, a, n_layers, v, t, buffer_bytes=n_layers * s * s)
     assert run["peak"] / peak == pytest.approx(1, abs=0.05)
     assert run["peak"] / peak == pytest.approx(1, abs=0.001)          # on CPU ranks, all but a few scalars
@@ -52,7 +52,7 @@ def test_ring_attention_keeps_its_output_and_lse_only():
     from distlab.course.tensor_parallel.measure_cp import cp_run
     ring = lecture_ring()
     b, heads, seq, hd, cp = 1, 4, 48, 8, 3      # cp = 3: a middle rank merges with a block still in flight
-    out = distlab.launch(cp_run, cp, {"ring": ring.ring_attention}, b, heads, seq, hd, 1, 1, ring.RingAttention.apply)
+    out = distlab.launch(cp_run, cp, args=({"ring": ring.ring_attention}, b, heads, seq, hd, 1, 1, ring.RingAttention.apply))
     for r, o in enumerate(out):
         # the forward's peak (the cp_ring record's peak_bytes), rank by rank: the previous block's output included
         assert o["ring"]["peak"] == th.ring_attention_forward_peak_bytes(b, heads, seq, hd, cp, rank=r,

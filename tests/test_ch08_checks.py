@@ -103,7 +103,7 @@ def graded_lines(task, ns, case_index=0, lab=LAB):
     t = lab_module(lab).TASKS[task]
     case = t.cases()[case_index]
     drawn = [secret.load(secret.blob(d)) for d in secret.draw(t, case)]
-    outputs = launch(on_rank, case.world_size, t, case, tuple(getattr(ns, a) for a in t.answers), drawn, stall=5)
+    outputs = launch(on_rank, case.world_size, args=(t, case, tuple(getattr(ns, a) for a in t.answers), drawn), stall=5)
     validate(outputs)
     return _lines(t.judge(case, outputs, t.reference(case, inputs=drawn)))
 

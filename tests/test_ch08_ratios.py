@@ -55,8 +55,9 @@ def _runner():
 
 def test_peak_activations_within_five_percent_of_the_model():
     m = 4
-    per_rank = distlab.launch(sweep, 2, _runner(), {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}, (m,),
-                              0.001, 1, backend="gloo")
+    per_rank = distlab.launch(sweep, 2,
+                              args=(_runner(), {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}, (m,), 0.001, 1),
+                              backend="gloo")
     peaks = {}
     for name in ("gpipe", "1f1b"):
         for r, rank in enumerate(per_rank):
@@ -76,9 +77,9 @@ def test_peak_activations_adds_the_transient():
 
 def test_bubble_within_the_simulated_table():
     cost, m, orders = 0.02, 4, {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
-    costs = distlab.launch(hop_s, 2, _runner(), one_f_one_b_order, cost, 3, backend="gloo", stall=120)[0]
+    costs = distlab.launch(hop_s, 2, args=(_runner(), one_f_one_b_order, cost, 3), backend="gloo", stall=120)[0]
     assert costs["hop"] > 0 and costs["gap"] > 0 and costs["late"] > 0
-    per_rank = distlab.launch(sweep, 2, _runner(), orders, (m,), cost, 3, backend="gloo", stall=120)
+    per_rank = distlab.launch(sweep, 2, args=(_runner(), orders, (m,), cost, 3), backend="gloo", stall=120)
     for name, order in orders.items():
         model = predicted_bubble(order, 2, m, cost, costs["hop"], costs["gap"], costs["late"])
         # a timing ratio on a shared box: a descheduled rank stalls a step and nearly always adds idle time, so
@@ -102,9 +103,9 @@ def test_torch_multi_chunk_bubbles_within_their_own_tables():
     from distlab.course.pipeline.simulate import simulate
     from distlab.course.pipeline.stages import bubble
     cost, m, names = 0.02, 4, {"ScheduleInterleaved1F1B": 2, "ScheduleZBVZeroBubble": 2}
-    tor = distlab.launch(torch_schedules, 2, names, m, cost, repeats=5, backend="gloo", stall=120)
-    apart = distlab.launch(torch_schedules, 2, {"ScheduleGPipe": 1}, 1, cost, repeats=3, backend="gloo", stall=120)
-    late = distlab.launch(torch_schedules, 2, {"Schedule1F1B": 1}, 2, cost, repeats=5, backend="gloo", stall=120)
+    tor = distlab.launch(torch_schedules, 2, args=(names, m, cost), kwargs=dict(repeats=5), backend="gloo", stall=120)
+    apart = distlab.launch(torch_schedules, 2, args=({"ScheduleGPipe": 1}, 1, cost), kwargs=dict(repeats=3), backend="gloo", stall=120)
+    late = distlab.launch(torch_schedules, 2, args=({"Schedule1F1B": 1}, 2, cost), kwargs=dict(repeats=5), backend="gloo", stall=120)
     costs = overheads_of(apart, "ScheduleGPipe")
     spent = action_costs(tor, "ScheduleZBVZeroBubble")                    # rank 0 holds stages 0 and 3
     assert spent("B", 0, 0) < 0.25 * cost / 2 < 1.5 * cost / 2 < spent("W", 0, 0), (spent("B", 0, 0), spent("W", 0, 0))

@@ -470,7 +470,7 @@ job = json.loads(sys.stdin.read())
 streams = [os.path.join(job["dir"], f"events{r}") for r in range(2)]
 for path in streams:
     open(path, "w").close()
-print("IMPORTED", json.dumps(distlab.launch(rank, 2, job, streams, backend="gloo")))
+print("IMPORTED", json.dumps(distlab.launch(rank, 2, args=(job, streams), backend="gloo")))
 """
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.engine.launch import resolve_backend
+from distlab.engine.launch import resolve_backend, run_on_ranks
 
 
 def _rank_times_ten(offset):
@@ -22,7 +22,7 @@ def _rank_times_ten(offset):
 
 
 def test_returns_values_ordered_by_rank(no_orphans):
-    out = distlab.launch(_rank_times_ten, 4, 1)
+    out = distlab.launch(_rank_times_ten, 4, args=(1,))
     assert [o["value"] for o in out] == [1, 11, 21, 31]
     assert all(o["sum"] == 6.0 and o["world"] == 4 and o["threads"] == 1 for o in out)
     assert not any(psutil.pid_exists(o["pid"]) and psutil.Process(o["pid"]).status() != psutil.STATUS_ZOMBIE
@@ -32,7 +32,7 @@ def test_returns_values_ordered_by_rank(no_orphans):
 def test_world_size_one_and_kwargs(no_orphans):
     def f(a, *, b):
         return (distlab.rank(), distlab.world_size(), a + b, str(distlab.device()))
-    assert distlab.launch(f, 1, 2, b=3) == [(0, 1, 5, "cpu")]
+    assert distlab.launch(f, 1, args=(2,), kwargs=dict(b=3)) == [(0, 1, 5, "cpu")]
 
 
 def test_functions_and_classes_defined_in_main_travel(no_orphans):
@@ -68,7 +68,7 @@ def _fail_on(bad_rank):
 def test_rank_failure_names_rank_and_stops_the_rest_quickly(no_orphans):
     start = time.monotonic()
     with pytest.raises(distlab.RankFailed) as info:
-        distlab.launch(_fail_on, 3, 1, timeout=60)
+        run_on_ranks(_fail_on, 3, args=(1,), timeout=60)
     assert time.monotonic() - start < 10
     assert info.value.rank == 1 and info.value.exc_type == "ValueError"
     assert "rank 1 raised ValueError: boom on 1" in str(info.value)
@@ -109,13 +109,13 @@ def _slow_but_working(seconds):
 
 
 def test_slow_but_progressing_ranks_are_never_stopped(no_orphans):
-    assert distlab.launch(_slow_but_working, 2, 4.0, stall=2) == [2.0, 2.0]   # two stall windows of work
+    assert distlab.launch(_slow_but_working, 2, args=(4.0,), stall=2) == [2.0, 2.0]   # two stall windows of work
 
 
 def test_cap_still_ends_a_launch_that_works_forever(no_orphans):
     start = time.monotonic()
     with pytest.raises(distlab.LaunchTimeout) as info:
-        distlab.launch(_slow_but_working, 2, 600.0, timeout=3)
+        run_on_ranks(_slow_but_working, 2, args=(600.0,), timeout=3)
     assert not isinstance(info.value, distlab.LaunchStalled)
     assert info.value.ranks == [0, 1] and 2.5 < time.monotonic() - start < 15
 
@@ -126,7 +126,7 @@ def test_process_that_dies_without_python_error(no_orphans):
             os._exit(7)
         dist.barrier()
     with pytest.raises(distlab.RankFailed) as info:
-        distlab.launch(die, 2, timeout=30)
+        run_on_ranks(die, 2, timeout=30)
     assert info.value.rank == 1 and "exited with code 7" in str(info.value)
 
 
@@ -155,7 +155,7 @@ def test_keyboard_interrupt_kills_every_rank(tmp_path, no_orphans):
     try:
         threading.Thread(target=interrupt_when_started, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
-            distlab.launch(sleeper, 2, str(tmp_path), timeout=60)
+            run_on_ranks(sleeper, 2, args=(str(tmp_path),), timeout=60)
     finally:
         signal.signal(signal.SIGINT, previous)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]

@@ -223,6 +223,6 @@ def _temporary_into_a_collective(iterations: int, functional: bool) -> tuple[int
 def test_memory_does_not_count_a_collectives_hold_on_a_dropped_temporary(functional, no_orphans):
     # gloo marks the op done before its worker thread drops the op's tensors: without the correction,
     # the temporary is often still alive when `y` is allocated, and the peak reads 48 KiB.
-    out = distlab.launch(_temporary_into_a_collective, 2, 200, functional, backend="gloo")
+    out = distlab.launch(_temporary_into_a_collective, 2, args=(200, functional), backend="gloo")
     assert [wrong for wrong, _ in out] == [0, 0]
     assert sum(last for _, last in out) > 0, "gloo's worker never dropped a temporary last: nothing was tested"

@@ -44,7 +44,7 @@ def scale_table() -> dict[str, sim.SimResult]:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_simulated_bytes_equal_the_gloo_run(n):
-    real = distlab.launch(sim.measure_steps, n, NAMES, CONFIG, classes(), batch_size=BATCH, backend="gloo")[0]
+    real = distlab.launch(sim.measure_steps, n, args=(NAMES, CONFIG, classes()), kwargs=dict(batch_size=BATCH), backend="gloo")[0]
     for name in NAMES:
         fake = sim.simulate(name, config=CONFIG, world_size=n, classes=classes(), micro_batch=BATCH // n,
                             native_bf16=False)

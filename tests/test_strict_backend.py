@@ -68,7 +68,7 @@ def test_strict_backend_keeps_nccls_promises(no_orphans):
         assert o["zip_pairing"] == [[7.0, 7.0]]
         assert o["refused"] == ["0-dim", "1 element", "device='cpu'"]
     # A tensor that reached the rank as a launch() argument is a host tensor on a GPU box.
-    assert distlab.launch(_launch_argument, 2, torch.ones(3), strict=True) == ["refused: an argument of launch()"] * 2
+    assert distlab.launch(_launch_argument, 2, args=(torch.ones(3),), strict=True) == ["refused: an argument of launch()"] * 2
 
 
 def _only_rank0_reduces():

@@ -75,12 +75,12 @@ def test_one_work_per_group_waits_for_the_whole_group(no_orphans):
 
 def test_the_old_ring_is_right_on_gloo_and_wrong_under_nccls_rule(no_orphans):
     ns = answers("01_collectives")
-    for loose, strict in distlab.launch(_all_reduce_errors, 2, _zip_works_reduce_scatter, ns.ring_all_gather):
+    for loose, strict in distlab.launch(_all_reduce_errors, 2, args=(_zip_works_reduce_scatter, ns.ring_all_gather)):
         assert loose < 1e-4
         assert strict > 0.1          # the second piece of every step was never added
 
 
 def test_the_solution_ring_is_right_under_nccls_rule(no_orphans):
     ns = answers("01_collectives")
-    for errors in distlab.launch(_all_reduce_errors, 3, ns.ring_reduce_scatter, ns.ring_all_gather):
+    for errors in distlab.launch(_all_reduce_errors, 3, args=(ns.ring_reduce_scatter, ns.ring_all_gather)):
         assert max(errors) < 1e-4, errors

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from distlab import theory  # the package distlab.theory (not the facade)
 from distlab.engine.collectives import all_gather_tensor, reduce_scatter_tensor
-from distlab.engine.launch import launch
+from distlab.engine.launch import run_on_ranks
 from distlab.meters.timing import sync
 from distlab.engine.runtime import device
 
@@ -96,5 +96,5 @@ def sweep(world_size: int, sizes: list[int], *, ops: tuple[str, ...] = OPS, repe
             raise ValueError(f"unknown op {op!r}; choose from {OPS}")
     cases = [(op, "library", LIBRARY[op]) for op in ops]
     cases += [(op, impl, fn) for (op, impl), fn in (custom or {}).items()]
-    return launch(_rank_sweep, world_size, cases, list(sizes), repeats, warmup,
-                  backend=backend, timeout=timeout)[0]
+    return run_on_ranks(_rank_sweep, world_size, args=(cases, list(sizes), repeats, warmup), backend=backend,
+                  timeout=timeout)[0]

@@ -414,7 +414,7 @@ class StepTask(Task):
         if inputs is None:
             return _step_reference()
         from distlab.engine.launch import launch
-        return launch(_step_reference_on_rank, 1, full_batches(inputs, STEPS))[0]
+        return launch(_step_reference_on_rank, 1, args=(full_batches(inputs, STEPS),))[0]
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         n, lines = case.world_size, list(case.lines)

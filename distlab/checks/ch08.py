@@ -316,7 +316,7 @@ class OffloadTask(Task):
         if self.kind != "step":
             return None
         from distlab.engine.launch import launch
-        return launch(_plain_offload_reference, 1, None if inputs is None else inputs[0])[0]
+        return launch(_plain_offload_reference, 1, args=(None if inputs is None else inputs[0],))[0]
 
     def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:
         o = outputs[0]

@@ -195,7 +195,7 @@ def launch_exercise(task: Task, case: Case, answers: tuple, *, stall: float | No
     """Run `task.exercise(case, *answers)` on `case.world_size` ranks (the notebook's way);
     `stall`: the hang window, `CHECK_STALL_S` unless given."""
     from distlab.engine.launch import launch
-    return launch(_exercise_on_rank, case.world_size, task, case, tuple(answers),
+    return launch(_exercise_on_rank, case.world_size, args=(task, case, tuple(answers)),
                   stall=CHECK_STALL_S if stall is None else stall)
 
 

@@ -6,7 +6,7 @@ On CPU ranks every tensor is on the CPU, so the same bug passes silently and
 only shows up on a learner's workstation. Under the audit it raises here too:
 
     DISTLAB_DEVICE_AUDIT=1 jupyter ...          # every launch audits
-    distlab.launch(fn, 2, audit=True)           # one launch audits
+    distlab.engine.launch.run_on_ranks(fn, 2, audit=True)   # one launch audits
 
 Each tensor is classed by where it came from:
 

@@ -479,32 +479,56 @@ def audit_requested() -> bool:
     return os.environ.get("DISTLAB_DEVICE_AUDIT", "0") not in ("", "0", "false", "False")
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-           timeout: float | None = None, stall: float | None = None, audit: bool | None = None,
-           strict: bool | None = None, loads: Callable[[bytes], Any] | None = None, **kwargs: Any) -> list[Any]:
+def launch(fn: Callable[..., Any], world_size: int, *, args: tuple | list = (), kwargs: dict | None = None,
+           backend: str | None = None, stall: float | None = None, strict: bool | None = None) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results by rank.
 
-    The process group is up before `fn` starts and torn down after it ends.
+        distlab.launch(train, 4, args=(model, 10), kwargs={"lr": 0.1})
+
+    Your function's arguments travel in `args` (a tuple) and `kwargs` (a dict),
+    so they never collide with the launcher's own options, which are:
     `backend` (default $DISTLAB_BACKEND, else "auto": NCCL when there is a GPU
-    per rank, else gloo). `distlab grade --backend gloo` sets it, so that a
-    check's reference runs where the learner's ranks run.
+    per rank, else gloo);
     `stall` (seconds, default `default_stall(backend)`): how long every
-    unfinished rank may go without any work before the launch counts as stuck.
-    `timeout` (seconds, default 4 h): a last-resort cap on the whole launch.
-    `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU ranks, enforce the rule a
-    GPU enforces (see `distlab.engine.audit`).
+    unfinished rank may go without any work before the launch counts as stuck;
     `strict` (default: $DISTLAB_STRICT): CPU ranks run on the strict backend,
-    gloo with NCCL's semantics (see `distlab.engine.strict`); it implies `audit`.
-    On NCCL the process group's timeout is the stall window: a rank spinning
-    behind a hung kernel looks busy to the CPU-time monitor, and the group's
-    watchdog is what reports the collective that never completed.
-    `loads` (default `cloudpickle.loads`) reads each rank's result and error
-    report; `distlab grade` passes a safe unpickler, since learner code runs
-    on the ranks and can write anything into those files.
+    gloo with NCCL's semantics (see `distlab.engine.strict`).
+    The process group is up before `fn` starts and torn down after it ends.
     Raises `RankFailed` if any rank raises, `LaunchStalled` if the ranks wait
-    for each other forever, `LaunchTimeout` past the cap; in every case all
-    ranks are stopped before it returns.
+    for each other forever; in every case all ranks are stopped before it
+    returns. (The grader's and the test suite's options live on `run_on_ranks`.)
     """
+    return run_on_ranks(fn, world_size, args=args, kwargs=kwargs, backend=backend, stall=stall, strict=strict)
+
+
+def _check_arguments(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args= takes a tuple of your function's positional arguments, got "
+                        f"{type(args).__name__}: write args=({args!r},) for a single argument")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs= takes a dict of your function's keyword arguments, got {type(kwargs).__name__}")
+    return tuple(args), dict(kwargs or {})
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list = (), kwargs: dict | None = None,
+                 backend: str | None = None, stall: float | None = None, strict: bool | None = None,
+                 timeout: float | None = None, audit: bool | None = None,
+                 loads: Callable[[bytes], Any] | None = None) -> list[Any]:
+    """`launch` with the options the grader, the tour and the test suite also need.
+
+    `timeout` (seconds, default 4 h): a last-resort cap on the whole launch
+    (raises `LaunchTimeout`). `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU
+    ranks, enforce the rule a GPU enforces (see `distlab.engine.audit`);
+    `strict` implies it. On NCCL the process group's timeout is the stall
+    window: a rank spinning behind a hung kernel looks busy to the CPU-time
+    monitor, and the group's watchdog is what reports the collective that
+    never completed. `loads` (default `cloudpickle.loads`) reads each rank's
+    result and error report; `distlab grade` passes a safe unpickler, since
+    learner code runs on the ranks and can write anything into those files.
+    `distlab grade --backend gloo` sets $DISTLAB_BACKEND, so that a check's
+    reference runs where the learner's ranks run.
+    """
+    args, kwargs = _check_arguments(args, kwargs)
     world_size = _check_world_size(world_size)
     backend = resolve_backend(backend or os.environ.get("DISTLAB_BACKEND") or "auto", world_size)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)

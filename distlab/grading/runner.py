@@ -144,7 +144,7 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     from distlab.checks.verdict import reason
     from distlab.grading.rankside import run_case as on_rank
     from distlab.grading.safeload import plain_loads
-    from distlab.engine.launch import LaunchStalled, LaunchTimeout, launch
+    from distlab.engine.launch import LaunchStalled, LaunchTimeout, run_on_ranks
     from distlab.grading.secret import offer
     streams = _Streams(folder, case.world_size)
     record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
@@ -154,9 +154,10 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
         paths = [os.path.join(folder, f"inputs{r}") for r in range(case.world_size)] if inputs else None
         for r, path in enumerate(paths or []):     # each rank reads (and unlinks) its own before its group is up
             offered.append(offer(path, base64.b64decode(inputs[r])))
-        outputs = launch(on_rank, case.world_size, job["lab"], task.name, index, job["cells"], job["names"][task.name],
-                         streams.paths, job["cap_s"], backend=job["backend"], stall=job["stall_s"],
-                         timeout=job["cap_s"], loads=plain_loads, input_paths=paths)
+        outputs = run_on_ranks(on_rank, case.world_size,
+                         args=(job["lab"], task.name, index, job["cells"], job["names"][task.name], streams.paths, job["cap_s"]),
+                         kwargs=dict(input_paths=paths), backend=job["backend"], stall=job["stall_s"],
+                         timeout=job["cap_s"], loads=plain_loads)
         if not all(isinstance(o, bytes) for o in outputs):
             raise TypeError("a rank returned something other than its outputs (safetensors bytes)")
         record.update(status="ok", outputs=[base64.b64encode(o).decode() for o in outputs])

@@ -47,7 +47,7 @@ def _all_reduce_job() -> dict[str, Any]:
 
 def run_checks(info: dict[str, Any]) -> list[str]:
     """Launch a short job on every usable backend; return problems (empty = healthy)."""
-    from distlab.engine.launch import launch
+    from distlab.engine.launch import run_on_ranks
     problems = []
     plans = []
     if info["gpu_count"] and info["nccl_version"]:
@@ -56,7 +56,7 @@ def run_checks(info: dict[str, Any]) -> list[str]:
         plans.append(("gloo", 2))
     for backend, n in plans:
         try:
-            results = launch(_all_reduce_job, n, backend=backend, timeout=120)
+            results = run_on_ranks(_all_reduce_job, n, backend=backend, timeout=120)
         except Exception as exc:  # noqa: BLE001 - report, do not crash the doctor
             problems.append(f"{backend} x{n}: {str(exc).splitlines()[0]}")
             continue

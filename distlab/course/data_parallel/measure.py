@@ -8,10 +8,10 @@ PyTorch's on the same model, the same batches and the same meters:
             return Strategy(TorchDDP(model), MixedPrecisionAdam(model.parameters(), lr=1e-3))
         ...
 
-    out = distlab.launch(measure, 2, build, "ddp", preset="small", dtype=torch.bfloat16,
-                         batch_size=8, steps=2)         # model states, peak, traffic, parameters
-    res = distlab.launch(race_strategies, 2, build, ["ddp", "zero1"], preset="small",
-                         dtype=torch.bfloat16, batch_size=8, repeats=21, budget_s=30)[0]
+    out = distlab.launch(measure, 2, args=(build, "ddp"), kwargs=dict(preset="small", dtype=torch.bfloat16,
+                         batch_size=8, steps=2))        # model states, peak, traffic, parameters
+    res = distlab.launch(race_strategies, 2, args=(build, ["ddp", "zero1"]), kwargs=dict(preset="small",
+                         dtype=torch.bfloat16, batch_size=8, repeats=21, budget_s=30))[0]
 
 Everything is placed on the rank's device; times come from `distlab.bench.race`
 (barrier and device sync around every timed step); memory from `track_memory`

@@ -4,8 +4,8 @@ The lecture writes the ideas — the GPipe and 1F1B tables, the `PipelineRunner`
 offloaded optimizer, Megatron's f and g, ZeRO-1 — and passes them in; these functions build the
 stages, run the steps under the meters and return what they measured:
 
-    per_rank = distlab.launch(check_pipeline, 4, PipelineRunner, {"gpipe": gpipe, "1f1b": one_f_one_b}, 6)
-    measured = distlab.launch(sweep, 4, PipelineRunner, schedules, (1, 2, 4), cost, 2)
+    per_rank = distlab.launch(check_pipeline, 4, args=(PipelineRunner, {"gpipe": gpipe, "1f1b": one_f_one_b}, 6))
+    measured = distlab.launch(sweep, 4, args=(PipelineRunner, schedules, (1, 2, 4), cost, 2))
     bubble_of(measured, "1f1b", 4)                      # the bubble read off the timelines
 
 Meters: traffic from `track_comm` (algorithmic bytes: point-to-point sends between stages,

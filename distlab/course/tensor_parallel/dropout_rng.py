@@ -8,7 +8,7 @@ heads or tokens — correlated dropout, not the model's. Megatron-LM keeps two g
 to the per-rank one inside the TP region (its "model-parallel RNG tracker"); `TPRegionRNG` is that, in
 miniature, for the attention modules of chapter 7's model.
 
-    out = distlab.launch(dropout_rng_runs, 2, "tp-small", 2)      # every mode; each rank returns its raw masks
+    out = distlab.launch(dropout_rng_runs, 2, args=("tp-small", 2))      # every mode; each rank returns its raw masks
 """
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ Each function runs inside `distlab.launch` on the chapter's model (`distlab.cour
 and returns raw measurements; the notebook compares them with the closed forms of
 `distlab.theory.tensor_parallel` and writes the records:
 
-    acts = distlab.launch(zero3_activations, 4, points, 256, d_model=64, n_heads=8, n_layers=2,
-                          dtype=torch.float32)[0]       # bytes kept for backward under ZeRO-3
-    run = distlab.launch(tp_model_run, 4, "tp-medium", 8, 5, 15, 30)[0]   # PyTorch's TP, trained
-    ref = distlab.launch(one_process_losses, 1, "tp-medium", 8, 5)[0]     # the same, one process
+    acts = distlab.launch(zero3_activations, 4, args=(points, 256), kwargs=dict(d_model=64, n_heads=8,
+                          n_layers=2, dtype=torch.float32))[0]   # bytes kept for backward under ZeRO-3
+    run = distlab.launch(tp_model_run, 4, args=("tp-medium", 8, 5, 15, 30))[0]   # PyTorch's TP, trained
+    ref = distlab.launch(one_process_losses, 1, args=("tp-medium", 8, 5))[0]     # the same, one process
 
 Meters: memory from `track_memory` (bytes autograd keeps, exact on CPU ranks), traffic from
 `track_comm` (algorithmic bytes each rank sends, per collective), per process group from

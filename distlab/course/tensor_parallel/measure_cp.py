@@ -2,8 +2,8 @@
 
 The hand-written attentions are the lesson: they stay in the notebook and come in as arguments,
 
-    cpr = distlab.launch(cp_run, 4, {"ring": ring_attention, "ulysses": ulysses_attention}, 2, 8, 1024, 16,
-                         11, 30, RingAttention.apply)
+    cpr = distlab.launch(cp_run, 4, args=({"ring": ring_attention, "ulysses": ulysses_attention}, 2, 8, 1024, 16,
+                                          11, 30, RingAttention.apply))
 
 Meters: `track_memory` (peak bytes of a call; bytes kept for backward), `track_comm` (what each rank sends:
 the K, V blocks of a ring, the all-to-alls of Ulysses), `distlab.bench.race` for the times. Every tensor a rank
