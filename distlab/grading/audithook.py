@@ -71,7 +71,7 @@ WATCH = frozenset({
     "_thread.start_new_thread", "mmap.__new__", "os.listdir", "os.scandir", "os.remove", "os.rename",
     "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink", "os.utime",
     "os.chdir", "shutil.rmtree", "shutil.copyfile", "resource.setrlimit", "resource.prlimit", "fcntl.ioctl",
-    "open", "compile", "exec", "import", "object.__getattr__",
+    "open", "compile", "exec", "import", "object.__getattr__", "marshal.loads", "marshal.load",
 })
 PREFIXES = ("ctypes.", "socket.", "_posixsubprocess.")
 # booked whenever learner code is anywhere on the stack (see the module docstring)
@@ -103,7 +103,30 @@ def trusted_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     stdlib = os.path.realpath(paths["stdlib"]) + os.sep
     pkg = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)) + os.sep
     sites = {os.path.realpath(p) + os.sep for p in (paths["purelib"], paths["platlib"], *site.getsitepackages())}
-    return tuple(sorted({stdlib, pkg, *sites})), (stdlib, "<frozen ")
+    return tuple(sorted({stdlib, pkg, *sites})), (stdlib,)
+
+
+def frozen_codes() -> frozenset:
+    """The interpreter's own frozen code (importlib, os, codecs, ...): every function's code object, as the
+    interpreter unmarshals it, compared by value. A `<frozen ...>` file name proves nothing (any `compile`
+    may choose it): code under such a name is the library's only when it equals one of these. Each frozen
+    module is imported first (so none runs its module code later); module bodies are left out (run once,
+    before learner code: code equal to one, run again, is the learner's)."""
+    import _imp
+    import importlib
+    names = [n for n in getattr(_imp, "_frozen_module_names", lambda: [])() if not n.startswith("__")]
+    out: set = set()
+    for name in names:
+        try:
+            importlib.import_module(name)
+            todo = [c for c in _imp.get_frozen_object(name).co_consts if type(c) is type(frozen_codes.__code__)]
+        except (ImportError, AttributeError, ValueError):
+            continue
+        while todo:
+            code = todo.pop()
+            out.add(code)
+            todo.extend(c for c in code.co_consts if type(c) is type(code))
+    return frozenset(out)
 
 
 def _group_thread() -> Any:
@@ -208,6 +231,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     frame_setters = _take_frame_callbacks()
     on_group_thread = _group_thread()
     libs, stdlib = trusted_roots()
+    frozen = frozen_codes()
     site_dirs = tuple(r for r in libs if r != stdlib[0])
     fd = os.open(stream_path, os.O_WRONLY)
     key = os.urandom(32)
@@ -281,12 +305,21 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         return "<" + name_of(t) + ">"
 
     def learner(code: Any) -> bool:
+        """Whether `code` is the learner's: not a library file's, and not the interpreter's frozen code (a
+        `<frozen ...>` name the learner chose proves nothing: such code is the library's only when it equals
+        the interpreter's own)."""
         hit = learner_cache.get(code)
         if hit is None:
             name = code.co_filename
-            hit = not (startswith(name, libs) or startswith(name, "<frozen "))
+            hit = code not in frozen if startswith(name, "<frozen ") else not startswith(name, libs)
             learner_cache[code] = hit
         return hit
+
+    def in_stdlib(code: Any) -> bool:
+        name = code.co_filename
+        if startswith(name, "<frozen "):
+            return code in frozen
+        return startswith(name, stdlib) and not startswith(name, site_dirs)
 
     def first_learner(f: Any) -> Any:
         while f is not None:
@@ -297,8 +330,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
 
     def initiator(f: Any) -> Any:
         """The first frame above the event that is not the standard library: learner's or None."""
-        while f is not None and startswith(f.f_code.co_filename, stdlib) and not startswith(f.f_code.co_filename,
-                                                                                             site_dirs):
+        while f is not None and in_stdlib(f.f_code):
             f = f.f_back
         return f if f is not None and learner(f.f_code) else None
 
@@ -539,9 +571,13 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             return
         if ev in ("compile", "exec"):   # imports compile and run library files: only direct calls count
             name = args[1] if ev == "compile" and _len(args) > 1 else _getattr(args[0], "co_filename", "")
-            if not (direct and _type(name) is _str and startswith(name, libs)):
+            if not (direct and _type(name) is _str and (startswith(name, libs) or startswith(name, "<frozen "))):
                 return
             send("ev", ev, "code under a library file name: " + safe(name), cause)
+            return
+        if startswith(ev, "marshal."):  # code objects from bytes: only the import system's own calls are fine
+            if direct:
+                send("ev", ev, "code objects from bytes", cause)
             return
         detail = safe(args[1]) if startswith(ev, "object.") and _len(args) > 1 else safe(args[:2])
         send("ev", ev, detail, cause)
