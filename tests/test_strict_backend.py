@@ -104,6 +104,10 @@ def test_nccl_watchdog_report_becomes_a_stall(tmp_path):
     assert launch_mod._failure([Dead(), Dead()], str(tmp_path), 0, lambda b: b)["type"] == "ProcessDied"
 
 
-def test_nccl_groups_time_out_at_the_stall_window():
-    assert runtime.group_timeout_s("nccl", 4 * 3600, 60.0) == 60.0
+def test_nccl_groups_time_out_past_the_stall_window_with_a_floor(monkeypatch):
+    """NCCL counts from enqueue: its timeout is max(30 s, stall + 10 s); the hang watch reports within the
+    stall window (tests/test_watchdog.py)."""
+    monkeypatch.delenv("DISTLAB_NCCL_TIMEOUT_S", raising=False)
+    assert runtime.group_timeout_s("nccl", 4 * 3600, 60.0) == 70.0
+    assert runtime.group_timeout_s("nccl", 4 * 3600, 2.0) == 30.0
     assert runtime.group_timeout_s("gloo", 4 * 3600, 10.0) == 4 * 3600

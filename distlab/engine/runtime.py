@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import traceback
 import warnings
 from datetime import timedelta
@@ -192,10 +193,48 @@ def _stack_on_request(path: str) -> None:
 
 
 def group_timeout_s(backend_name: str, timeout_s: float, stall_s: float | None) -> float:
-    """The process group's timeout. On NCCL it is the stall window: a rank blocked behind a hung kernel
-    spins at 100% CPU, so only the group's watchdog can tell it from a working one (its error names the
-    op). Elsewhere the launch's cap: gloo blocks with the CPU idle, and the launcher sees that."""
-    return float(stall_s) if backend_name == "nccl" and stall_s else float(timeout_s)
+    """The process group's timeout. On NCCL: the stall window with a floor (`watchdog.nccl_timeout_s`,
+    at least 30 s). NCCL counts from the moment an op is enqueued, so a timeout as short as the stall
+    window would abort a rank whose peer is only late; a hang is reported within the stall window by the
+    rank's `HangWatch` instead (a rank blocked behind a hung kernel spins at 100% CPU, so CPU time cannot
+    tell). Elsewhere the launch's cap: gloo blocks with the CPU idle, and the launcher sees that."""
+    if backend_name == "nccl" and stall_s:
+        from distlab.engine.watchdog import nccl_timeout_s
+        return nccl_timeout_s(stall_s)
+    return float(timeout_s)
+
+
+# One outcome per rank: the main thread's, or the hang watch's (from its thread), whichever comes first.
+_DELIVERY = threading.Lock()
+
+
+def _deliver(workdir: str, rank_: int, notify: Any, name: str, data: bytes) -> None:
+    """Write `rank{r}.ok` or `rank{r}.err` and say which on the pipe. Holds `_DELIVERY` for good: a
+    second outcome from another thread waits forever (the process ends first)."""
+    _DELIVERY.acquire()
+    with open(os.path.join(workdir, f"rank{rank_}.{name}"), "wb") as f:
+        f.write(data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    notify.send(name)
+
+
+def _start_watch(rank_: int, world_size_: int, port: int, workdir: str, notify: Any,
+                 stall_s: float, nccl_s: float) -> Any:
+    """The NCCL rank's hang watch (`distlab.engine.watchdog`), on a store connection of its own. Its
+    report ends the rank as a `CollectiveTimeout`, which the launcher reports as a stall."""
+    import cloudpickle
+
+    from distlab.engine.watchdog import HangWatch
+
+    def report(message: str) -> None:
+        err = {"type": "CollectiveTimeout", "message": message, "traceback": ""}
+        _deliver(workdir, rank_, notify, "err", cloudpickle.dumps(err))
+        os._exit(1)
+
+    store = dist.TCPStore("127.0.0.1", port, world_size_, is_master=False, timeout=timedelta(seconds=30))
+    return HangWatch(rank_, world_size_, store, stall_s, nccl_s, report,
+                     note_path=os.path.join(workdir, f"rank{rank_}.watch")).start()
 
 
 def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
@@ -225,6 +264,7 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
                       LOCAL_WORLD_SIZE=str(world_size_), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     outcome: dict[str, Any]
     store = None
+    watch = None
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size_, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
@@ -233,13 +273,18 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
             strict_mod.register()
             strict_mod.STALL_S = stall_s
             backend_name = strict_mod.STRICT_BACKEND
+        if backend_name == "nccl":
+            from distlab.engine import watchdog
+            watchdog.prepare(workdir)       # the flight recorder on, its dump on a timeout in workdir
         init_process_group(backend_name, timeout_s=timeout_s, store=store,
                            rank_=rank_, world_size_=world_size_)
         if backend_name == "nccl":
-            # Connected with the long timeout (NCCL's first init may take seconds); its ops then time out at
-            # the stall window, where the watchdog reports them.
-            dist.distributed_c10d._set_pg_timeout(
-                timedelta(seconds=group_timeout_s(backend_name, timeout_s, stall_s)))
+            # Connected with the long timeout (NCCL's first init may take seconds); its ops then time out
+            # at the stall window's floor, and the hang watch reports a real hang within the window.
+            nccl_s = group_timeout_s(backend_name, timeout_s, stall_s)
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=nccl_s))
+            if stall_s:
+                watch = _start_watch(rank_, world_size_, port, workdir, notify, stall_s, nccl_s)
         fn, args, kwargs = cloudpickle.loads(payload)
         with contextlib.ExitStack() as rules:
             if audit and backend_name != "nccl":
@@ -252,8 +297,10 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
             result = fn(*args, **kwargs)
         if backend_name == "nccl":
             # The rank's queued kernels finish before it reports success: a collective that no peer joined
-            # surfaces here (NCCL's watchdog stops it after the stall window), not as a rank that "returned".
+            # surfaces here (the hang watch reports it), not as a rank that "returned".
             torch.cuda.synchronize()
+            if watch is not None:
+                watch.finish()
         result = _to_cpu(result)
         try:
             blob = cloudpickle.dumps(result)
@@ -267,11 +314,9 @@ def worker_main(rank_: int, world_size_: int, backend_name: str, port: int,
                            "traceback": traceback.format_exc()}}
     name = "ok" if "ok" in outcome else "err"
     data = outcome["ok"] if name == "ok" else cloudpickle.dumps(outcome["err"])
-    with open(os.path.join(workdir, f"rank{rank_}.{name}"), "wb") as f:
-        f.write(data)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    notify.send(name)
+    _deliver(workdir, rank_, notify, name, data)
+    if watch is not None:
+        watch.stop()
     if name == "ok" and store is not None:
         try:
             store.wait([EXIT_KEY], timedelta(seconds=timeout_s))
