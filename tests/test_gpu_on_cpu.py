@@ -31,20 +31,67 @@ def test_the_gpu_tests_rank_functions_run_on_cpu_ranks(no_orphans):
 
 def test_bf16_emulated_on_a_pre_ampere_gpu_is_not_native(monkeypatch):
     """torch.cuda.is_bf16_supported() counts emulation by default: a V100 or T4 would compute bf16 emulated,
-    far slower than fp32. The course asks for hardware bf16 (issue 23, a likely point, now fixed)."""
+    far slower than fp32. The course reads the compute capability (8.0+) instead (issue 23)."""
     import torch
 
     from distlab.engine import precision
     monkeypatch.delenv("DISTLAB_NATIVE_BF16", raising=False)
-    asked = []
-
-    def is_bf16_supported(including_emulation=True):
-        asked.append(including_emulation)
-        return including_emulation          # a pre-Ampere GPU: only through emulation
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(precision, "_probe", lambda i: {"name": "Tesla V100", "major": 7, "minor": 0, "hip": False})
     assert precision.native_bf16("cuda:0") is False
-    assert asked == [False]
     assert precision.compute_dtype(torch.bfloat16, "cuda:0") == torch.float32
+
+
+def _fake_cuda_without_contexts(monkeypatch):
+    """A box with two GPUs (0: V100, 1: A100) where every call that would open a CUDA context in this
+    process fails the test; the subprocess probe is replaced by a record of the GPUs asked."""
+    import torch
+
+    from distlab.engine import precision
+    monkeypatch.delenv("DISTLAB_NATIVE_BF16", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def opens_a_context(*args, **kwargs):
+        raise AssertionError("the notebook's kernel opened a CUDA context")
+    for name in ("_lazy_init", "init", "get_device_properties", "get_device_name", "get_device_capability",
+                 "is_bf16_supported", "current_device", "set_device", "synchronize", "mem_get_info"):
+        monkeypatch.setattr(torch.cuda, name, opens_a_context)
+    gpus = {0: {"name": "Tesla V100", "major": 7, "minor": 0, "hip": False},
+            1: {"name": "NVIDIA A100", "major": 8, "minor": 0, "hip": False}}
+    asked = []
+    monkeypatch.setattr(precision, "_probe", lambda i: (asked.append(i), gpus[i])[1])
+    return asked
+
+
+def test_the_notebook_kernel_never_opens_a_cuda_context(monkeypatch):
+    """describe(), native_bf16() and compute_dtype() in a kernel (no process group) used to open a context
+    on GPU 0 (issue 39, point 4): they ask a subprocess now, about the GPU named."""
+    import torch
+
+    from distlab.engine import precision
+    asked = _fake_cuda_without_contexts(monkeypatch)
+    assert precision.describe().startswith("bf16 weights compute in fp32: Tesla V100 has no native bf16")
+    assert precision.compute_dtype(torch.bfloat16) == torch.float32          # the default GPU: 0
+    assert precision.native_bf16("cuda:1") is True                            # the device asked is read
+    assert precision.describe("cuda:1") == "bf16 weights compute in bf16: NVIDIA A100 has native bf16 arithmetic."
+    assert set(asked) == {0, 1}
+
+
+def test_on_a_rank_the_gpu_asked_is_the_one_read(monkeypatch):
+    """On a rank the properties are read in the process, of the device asked, not of the current one
+    (is_bf16_supported reads only the current device: wrong on a box with mixed GPU models)."""
+    import types
+
+    import torch
+
+    from distlab.engine import precision
+    _fake_cuda_without_contexts(monkeypatch)
+    monkeypatch.setattr(precision, "_in_rank", lambda: True)
+    majors = {0: 7, 1: 9}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name=f"gpu{i}", major=majors[i], minor=0))
+    assert precision._cuda_native_bf16(torch.device("cuda", 1)) is True
+    assert precision._cuda_native_bf16(torch.device("cuda", 0)) is False
 
 
 def test_launch_backend_follows_distlab_backend(monkeypatch):
@@ -64,9 +111,8 @@ def test_compute_dtype_in_a_kernel_asks_the_gpu_not_the_host_cpu(monkeypatch):
     import torch
 
     from distlab.engine import precision
-    monkeypatch.delenv("DISTLAB_NATIVE_BF16", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    _fake_cuda_without_contexts(monkeypatch)
+    monkeypatch.setattr(precision, "_probe", lambda i: {"name": "NVIDIA A100", "major": 8, "minor": 0, "hip": False})
     monkeypatch.setattr(precision, "_cpu_native_bf16", lambda: False)
     assert precision.compute_dtype(torch.bfloat16) == torch.bfloat16
 

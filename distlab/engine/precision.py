@@ -52,28 +52,71 @@ def _cpu_native_bf16() -> bool:
         return False
 
 
+def _in_rank() -> bool:
+    from distlab.engine.runtime import backend
+    return backend() != "none"
+
+
 def _default_device() -> torch.device:
     """The rank's device on a rank; outside one (a notebook's kernel), the device this machine's ranks
-    compute on: its first GPU if it has one (asking the host CPU there would pick the GPU's dtype wrong)."""
-    from distlab.engine.runtime import backend, device as rank_device
-    if backend() != "none":
+    compute on: its first GPU if it has one (asking the host CPU there would pick the GPU's dtype wrong).
+    `torch.cuda.is_available()` counts devices without opening a CUDA context."""
+    from distlab.engine.runtime import device as rank_device
+    if _in_rank():
         return rank_device()
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _cuda_native_bf16(device: torch.device) -> bool:
-    """bf16 in hardware (compute capability 8.0+, Ampere on), not emulated."""
+# Run in a child process: it opens a CUDA context on the GPU asked about, and exits.
+_PROBE = (
+    "import json, sys, torch\n"
+    "i = int(sys.argv[1])\n"
+    "p = torch.cuda.get_device_properties(i)\n"
+    "print(json.dumps({'name': p.name, 'major': p.major, 'minor': p.minor, 'hip': bool(torch.version.hip)}))\n"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(index: int) -> dict[str, Any]:
+    """GPU `index`'s name and compute capability, asked in a subprocess: a notebook's kernel never opens
+    a CUDA context (a few hundred MiB on that GPU for the whole session) and stays fork-safe."""
+    import json
+    import subprocess
+    import sys
     try:
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:   # a torch without the argument: read the capability
-        return torch.cuda.get_device_capability(device)[0] >= 8
+        out = subprocess.run([sys.executable, "-c", _PROBE, str(index)], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        return dict(json.loads(out.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
+        raise RuntimeError(f"could not ask GPU {index} for its compute capability in a subprocess ({exc}); "
+                           "set DISTLAB_NATIVE_BF16=1 (Ampere or newer) or 0 to say it yourself") from None
+
+
+def gpu_facts(device: torch.device) -> dict[str, Any]:
+    """{'name', 'major', 'minor', 'hip'} of the GPU `device`: read in this process on a rank (which
+    already holds a context on its own GPU; reading another GPU's properties opens none) or where CUDA
+    is initialised already, in a subprocess elsewhere (a notebook's kernel)."""
+    here = _in_rank() or torch.cuda.is_initialized()      # a context exists already: no cost to read
+    index = device.index if device.index is not None else (torch.cuda.current_device() if here else 0)
+    if here:
+        p = torch.cuda.get_device_properties(index)
+        return {"name": p.name, "major": p.major, "minor": p.minor, "hip": bool(torch.version.hip)}
+    return _probe(index)
+
+
+def _cuda_native_bf16(device: torch.device) -> bool:
+    """bf16 in hardware on the GPU `device` itself (compute capability 8.0+, Ampere on; ROCm GPUs as
+    torch counts them), not emulated: a box may mix GPU models, so the device asked is the one read."""
+    facts = gpu_facts(device)
+    return bool(facts["hip"]) or int(facts["major"]) >= 8
 
 
 def native_bf16(device: torch.device | str | None = None) -> bool:
     """Does `device` (default: the rank's) compute in bf16 at full speed?
 
-    GPUs: `torch.cuda.is_bf16_supported(including_emulation=False)` (its default
-    counts pre-Ampere GPUs, which emulate bf16 far slower, as supported). CPUs: oneDNN's bf16 support
+    GPUs: compute capability 8.0 or more, read from that GPU (`torch.cuda.is_bf16_supported()`
+    counts pre-Ampere GPUs, which emulate bf16 far slower, as supported, and reads only the current
+    device); outside a rank it is asked in a subprocess (see `gpu_facts`). CPUs: oneDNN's bf16 support
     (AVX-512 BF16 or AMX). $DISTLAB_NATIVE_BF16=0 or 1 overrides the answer
     (tests force the fallback with it).
     """
@@ -101,7 +144,7 @@ def compute_dtype(storage_dtype: torch.dtype, device: torch.device | str | None 
 def describe(device: torch.device | str | None = None) -> str:
     """One line for a notebook: what bf16 storage computes in here, and why."""
     device = _default_device() if device is None else torch.device(device)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+    where = gpu_facts(device)["name"] if device.type == "cuda" else (
         f"this CPU ({torch.backends.cpu.get_cpu_capability()})")
     if native_bf16(device):
         return f"bf16 weights compute in bf16: {where} has native bf16 arithmetic."
