@@ -136,3 +136,38 @@ def test_torchrun_nodes_agree_on_one_backend():
     with pytest.raises(RuntimeError, match=f"gloo on {socket.gethostname()}; nccl on gpu-node") as err:
         agree_on_backend(store, 0, 2, "gloo")
     assert "DISTLAB_BACKEND=gloo" in str(err.value)
+
+
+def test_pipeline_stages_wait_on_their_stream_not_the_whole_device(monkeypatch):
+    """FixedCost used torch.cuda.synchronize(): on a GPU that also waits for NCCL's streams, so for a send
+    whose receive the peer has not posted yet (issue 39, point 2). It waits on an event recorded on the
+    current stream of the stage's device now. Fake CUDA: a device-wide synchronise fails the test."""
+    import torch
+
+    from distlab.course.models import synthetic_batch
+    from distlab.course.pipeline.stages import FixedCost, build_stage
+
+    def device_wide(*args, **kwargs):
+        raise AssertionError("a device-wide synchronise inside a pipeline stage")
+    waited = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+    class Event:
+        def record(self, stream):
+            self.stream = stream
+
+        def synchronize(self):
+            waited.append(self.stream.device)
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(torch.device(device)))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    stage = FixedCost(build_stage("tiny", index=0, stages=1), forward_s=0.0, backward_s=0.0)
+    stage.device = torch.device("cuda", 1)          # as on rank 1 of a GPU box; the tensors stay on the CPU
+    x, y = synthetic_batch(0, 2, stage.config)
+    logits = stage(x)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    # forward: before and after; backward: when the output's gradient arrives and when the pass ends
+    assert waited == [torch.device("cuda", 1)] * 4

@@ -190,6 +190,20 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(left)
 
 
+def settle(device: torch.device | str) -> None:
+    """Wait until the work queued so far on this thread's current stream of `device` has run: a stage's
+    own kernels, and what they were ordered after (an NCCL recv's `wait()` makes the current stream wait
+    for that recv). An event on that stream, not `torch.cuda.synchronize()`: a device-wide synchronise
+    also waits for NCCL's streams, so for a send whose receive the peer has not posted yet, and a
+    schedule that needs small sends to finish early (four stages, zero-bubble, a learner's 1F1B) would
+    wait forever. Nothing to wait for on a CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
+
+
 class FixedCost(nn.Module):
     """A stage whose forward takes exactly `forward_s` and whose backward takes `backward_s` (activation
     gradient) plus `weight_s` (weight gradient): the stand-in REPLACES the compute's duration. Each
@@ -200,10 +214,11 @@ class FixedCost(nn.Module):
 
     With a `timeline` (`distlab.meters.Timeline`), each call records its span: `F{k}` for the k-th
     forward since `reset()`, `B{k}` for its backward (`W{k}` for a weight-gradient pass run apart).
-    A backward span starts when the gradient of the stage's output is there, after `sync()`: on a
+    A backward span starts when the gradient of the stage's output is there, after `settle()`: on a
     GPU the received gradient has then landed (an NCCL recv's `wait()` only orders the streams), so
     waiting for a message is idle time, not backward time. It ends when autograd's pass over the
-    stage is complete (a callback at the end of the pass, after `sync()`), weight gradients included.
+    stage is complete (a callback at the end of the pass, after `settle()`), weight gradients included.
+    `settle()` waits on the compute stream only, never on sends still in flight.
     Schedules need no instrumentation of their own. Parameters, `config`, `is_first`, `is_last` are the stage's.
     """
 
@@ -214,6 +229,7 @@ class FixedCost(nn.Module):
         self.config, self.is_first, self.is_last = stage.config, stage.is_first, stage.is_last
         self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
         self.timeline = timeline
+        self.device = next(stage.parameters()).device       # where `settle()` waits
         self.calls = 0
         self.overran = 0
         self._pass: dict[str, Any] | None = None           # the backward pass in progress on this stage
@@ -238,9 +254,8 @@ class FixedCost(nn.Module):
 
     # -- the backward pass: begun by the output's gradient (B) or a weight gradient (W alone) ------------
     def _begin(self, k: int | None) -> dict[str, Any]:
-        from distlab.meters import sync
         if self._pass is None:
-            sync()                                          # what this pass consumes has landed
+            settle(self.device)                             # what this pass consumes has landed
             self._pass = {"k": k, "start": time.perf_counter(), "b": False, "w": False}
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
         elif self._pass["k"] is None:
@@ -256,7 +271,6 @@ class FixedCost(nn.Module):
         return grad
 
     def _end(self) -> None:
-        from distlab.meters import sync
         run, self._pass = self._pass, None
         if run is None:
             return
@@ -269,15 +283,14 @@ class FixedCost(nn.Module):
         if time.perf_counter() > run["start"] + cost:
             self.overran += 1
         _sleep_until(run["start"] + cost)
-        sync()
+        settle(self.device)
         if self.timeline is not None and (run["b"] or run["w"]):
             name = "B" if run["b"] else "W"
             self.timeline.add(f"{name}{k}", "compute", run["start"], time.perf_counter())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from distlab.meters import sync
         k, self.calls = self.calls, self.calls + 1
-        sync()                                              # the received input has landed
+        settle(self.device)                                 # the received input has landed
         start = time.perf_counter()
         h = self.stage.embed(x) if self.stage.is_first else x
         if h.requires_grad:
@@ -287,7 +300,7 @@ class FixedCost(nn.Module):
             # The gradient reaching the output is the first thing this stage's backward sees. A hook,
             # not a view: schedules may detach the output in place (zero-bubble ones do).
             out.register_hook(lambda grad: (self._begin(k), grad)[1])
-        sync()
+        settle(self.device)
         if time.perf_counter() > start + self.forward_s:
             self.overran += 1
         _sleep_until(start + self.forward_s)
