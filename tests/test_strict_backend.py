@@ -111,3 +111,15 @@ def test_nccl_groups_time_out_past_the_stall_window_with_a_floor(monkeypatch):
     assert runtime.group_timeout_s("nccl", 4 * 3600, 60.0) == 70.0
     assert runtime.group_timeout_s("nccl", 4 * 3600, 2.0) == 30.0
     assert runtime.group_timeout_s("gloo", 4 * 3600, 10.0) == 4 * 3600
+
+
+def test_the_readme_says_what_the_strict_backend_cannot_show():
+    """Issue 39, point 6: the list names several streams at once, frees ordered by stream, device-wide
+    synchronisation, timeouts counted from enqueue and NCCL's coalescing path."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    para = " ".join(text.split("What it cannot emulate:", 1)[1].split("\n- ", 1)[0].split())
+    for item in ("several streams at once", "FSDP2's all-gather", "offload copy stream", "frees ordered by stream",
+                 "`record_stream`", "device-wide synchronisation", "`torch.cuda.synchronize()`",
+                 "enqueued", "coalescing path", "NCCL's own buffers", "rounding and fragmentation"):
+        assert item in para, item
