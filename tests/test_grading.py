@@ -603,3 +603,84 @@ def test_sandbox_creates_nvidia_uvm_before_binding_gpu_nodes(monkeypatch):
     assert sandbox.gpu_nodes() == ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0", "/dev/nvidiactl"]
     assert len(ran) == 1 and "cuda" in ran[0]
     assert sandbox.gpu_nodes() and len(ran) == 1       # uvm exists now: no second CUDA call
+
+
+# ---------------------------------------------------------------- the nbval path: hand-ins are data
+
+def test_nbval_grading_imports_no_conftest_or_test_file_from_the_hand_ins_and_names_items_by_task(tmp_path):
+    """A conftest.py or test_*.py handed in beside a notebook would run in pytest's process, as the instructor
+    and outside the sandbox (issue 38: a conftest forced PASS). Collection alone imports them, so collecting
+    shows it; the items are the lab's tasks."""
+    import shutil
+
+    from distlab.grading.lab import resolve_lab
+    handins = tmp_path / "handins" / "bob"
+    handins.mkdir(parents=True)
+    shutil.copy(resolve_lab("01_collectives"), handins / "bob.ipynb")
+    for name in ("conftest.py", "test_evil.py"):
+        (handins / name).write_text(f"open({str(tmp_path / name)!r} + '.ran', 'w').close()\n")
+    (tmp_path / "handins" / "conftest.py").write_text(f"open({str(tmp_path / 'top')!r} + '.ran', 'w').close()\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "distlab", "-p", "no:cacheprovider", "--collect-only",
+                          "-q", "--distlab-grade", "01_collectives", str(tmp_path / "handins")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.glob("*.ran")) == []
+    items = [line.split("::", 1)[1] for line in run.stdout.splitlines() if "::" in line]
+    assert items == ["reduce_scatter", "all_gather", "all_reduce", "naive_all_reduce"], items
+
+
+FAKE_NCCL_SCRIPT = r"""
+import os, sys, tempfile, types
+from datetime import timedelta
+import torch, torch.distributed as dist
+calls = []
+
+class FakeNCCL:
+    # ProcessGroupNCCL as torch binds it: a Backend, built with Options; its coalescing takes no device
+    class Options:
+        _timeout = None
+    def __init__(self, store, rank, size, options=None):
+        calls.append(("created", getattr(options, "_timeout", None)))
+    def _start_coalescing(self):
+        calls.append(("start",))
+    def _end_coalescing(self):
+        calls.append(("end",))
+        return "one work"
+    def send(self, tensors, dst, tag):
+        calls.append(("send", dst))
+        return "a send"
+
+dist.ProcessGroupNCCL = FakeNCCL
+from distlab.grading import audithook, pgmeter
+path = os.path.join(tempfile.mkdtemp(), "events")
+os.mkfifo(path)
+fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+audithook.install(path, {"distlab.pg.op": pgmeter.MeteredGroup._op.__code__,
+                         "distlab.pg.create": pgmeter.create.__code__}, ())
+opts = types.SimpleNamespace(group_rank=0, group_size=2, store=None, timeout=timedelta(seconds=5),
+                             global_ranks_in_group=[0, 1])
+group = pgmeter.create(opts, backend_name="metered_nccl")
+device = torch.device("cpu")
+group._start_coalescing(device)
+group.send([torch.zeros(2)], 1, 0)
+print("CALLS", calls, group._end_coalescing(device))
+"""
+
+
+def test_the_metered_nccl_group_coalesces_on_a_backend_and_times_out_with_the_launcher_s_nccl_timeout(tmp_path):
+    """With a fake NCCL (torch's binding: a Backend, whose _start_coalescing takes no device): a graded ring's
+    batch_isend_irecv reaches it without a TypeError, and the graded group's timeout is the stall window
+    (a hung graded submission on GPUs is reported by NCCL's watchdog, not left spinning to the cap)."""
+    from datetime import timedelta
+
+    from distlab.engine.runtime import group_timeout_s
+    run = subprocess.run([sys.executable, "-c", FAKE_NCCL_SCRIPT], capture_output=True, text=True, timeout=120)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("CALLS ")), None)
+    assert line is not None, run.stdout[-2000:] + run.stderr[-2000:]
+    assert line == "CALLS " + repr([("created", timedelta(seconds=5)), ("start",), ("send", 1), ("end",)]) \
+        + " one work", line
+    # rankside gives the graded NCCL group the launcher's NCCL timeout (the stall window, with its floor), gloo the
+    # case's cap
+    from distlab.engine.watchdog import nccl_timeout_s
+    assert group_timeout_s("nccl", 180, 5) == nccl_timeout_s(5) < 180 and group_timeout_s("gloo", 180, 5) == 180
+    assert "group_timeout_s(kind, timeout_s, stall_s)" in (ROOT / "distlab/grading/rankside.py").read_text()

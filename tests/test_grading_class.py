@@ -470,4 +470,6 @@ def test_instructors_grade_through_nbval_on_the_same_engine(tmp_path):
     assert "got:      FAIL reduce_scatter, 2 ranks, traffic: audit: called all_reduce" in run.stdout
     cases = {c.get("classname").split("handins.")[-1] + "::" + c.get("name"): c.find("failure") is None
              for c in ET.parse(junit).getroot().iter("testcase")}
-    assert cases == {"alice.ipynb::Cell 6": True, "bob.ipynb::Cell 6": False}, cases
+    assert cases == {"alice.ipynb::reduce_scatter": True, "bob.ipynb::reduce_scatter": False}, cases
+    scores = dict(re.findall(r"^(\w+)\.ipynb +(\S+)$", run.stdout, re.M))     # the score per notebook, at the end
+    assert "score per notebook" in run.stdout and scores == {"alice": "2/2", "bob": "0/2"}, run.stdout[-1500:]

@@ -23,18 +23,25 @@ Instructors grade with it too (`distlab grade` is the same engine, in one comman
     pytest --nbval-lax --distlab-grade 02_ddp handins/ [-n 2] [--junitxml grades.xml]
 
 collects each handed-in notebook's graded check cells (taken from the shipped lab, never
-from the notebook) as items `handins/alice.ipynb::Cell 5`. Running the first of a notebook's
-items grades the whole notebook once in `distlab grade`'s sandbox (`grade.grade_one`); each
-item then compares the verdict lines the grader computed for its cell with the lab's expected
-lines, as nbval compares a cell's output. nbval itself does not collect the notebooks in
-this mode (learner code never runs in pytest's kernel). `--distlab-no-sandbox` grades
-without bubblewrap (your own notebooks only).
+from the notebook) as items named by task, `handins/alice.ipynb::reduce_scatter`. Running the
+first of a notebook's items grades the whole notebook once in `distlab grade`'s sandbox
+(`grade.grade_one`); each item then compares the verdict lines the grader computed for its
+cell with the lab's expected lines, as nbval compares a cell's output, and the run ends with
+each notebook's score. nbval itself does not collect the notebooks in this mode (learner
+code never runs in pytest's kernel). `--distlab-no-sandbox` grades without bubblewrap (your
+own notebooks only).
+
+Hand-ins are data in this mode: no `conftest.py` is loaded (pytest's `--noconftest`, set
+before pytest looks for any) and no file but a notebook is collected, so a `conftest.py` or
+`test_*.py` handed in beside a notebook never runs in pytest's process.
 """
 from __future__ import annotations
 
 import tempfile
 import warnings
 from typing import Any
+
+import pytest
 
 from distlab.engine.lazyimports import defer_rfc3987_syntax
 
@@ -54,8 +61,27 @@ def pytest_addoption(parser: Any) -> None:
                     help="with --distlab-grade: run the notebooks without bubblewrap (your own notebooks only)")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: Any, parser: Any, args: list[str]) -> None:
+    """Grading hand-ins: no conftest.py anywhere is imported (one in a hand-in folder would run as the
+    instructor, outside the sandbox)."""
+    if getattr(early_config.known_args_namespace, "distlab_grade", None):
+        early_config.known_args_namespace.noconftest = True
+
+
+def pytest_ignore_collect(collection_path: Any, config: Any) -> Any:
+    """Grading hand-ins: only notebooks are collected (a test_*.py handed in is never imported)."""
+    if config.getoption("--distlab-grade", None) and not collection_path.is_dir() \
+            and collection_path.suffix != ".ipynb":
+        return True
+    return None
+
+
 def pytest_configure(config: Any) -> None:
     if config.getoption("--distlab-grade", None):
+        if not config.known_args_namespace.noconftest:
+            raise pytest.UsageError("--distlab-grade: a conftest.py may have been loaded (give the option on the "
+                                    "command line, not in an ini file's addopts after a conftest)")
         # the hand-ins are graded by distlab, never run in nbval's kernel
         plugin = config.pluginmanager.get_plugin("nbval")
         if plugin is not None:
@@ -133,9 +159,6 @@ def _produced(verdict: Any) -> str:
     return f"FAIL {verdict.check}: {verdict.reason or 'failed'}"
 
 
-import pytest  # noqa: E402 - after the plugin's cheap part: pytest is always there when these run
-
-
 class GradedNotebook(pytest.File):
     """A hand-in: one item per graded check cell of the shipped lab; graded once, when its first item runs."""
 
@@ -151,6 +174,7 @@ class GradedNotebook(pytest.File):
         from distlab.grading.lab import grade_calls, load_lab, resolve_lab
         shipped = load_lab(self.lab).select(self.config.getoption("--distlab-only"))
         nb = nbformat.read(resolve_lab(self.lab), as_version=4)
+        seen: set[str] = set()
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code" or not is_check_cell(cell):
                 continue
@@ -160,7 +184,10 @@ class GradedNotebook(pytest.File):
             expected = [e for e in expected_lines(cell) if any(e[5:] == n or e[5:].startswith(n + ": ")
                                                                for n in lines)]
             if lines:
-                yield GradedCell.from_parent(self, name=f"Cell {index}", expected=expected, lines=lines)
+                name = ", ".join(dict.fromkeys(t for t in tasks if any(g.task.name == t for g in shipped.graded)))
+                name = name if name not in seen else f"{name} (cell {index})"
+                seen.add(name)
+                yield GradedCell.from_parent(self, name=name, expected=expected, lines=lines)
 
     def result(self) -> Any:
         if self._result is None:
@@ -189,8 +216,10 @@ class GradedCell(pytest.Item):
         by_line = {v.check: v for v in result.verdicts}
         got = [_produced(by_line[name]) if name in by_line else f"FAIL {name}: not graded ({result.note})"
                for name in self.lines]
-        self.user_properties.append(("score", f"{sum(by_line[n].points for n in self.lines if n in by_line):g}/"
-                                              f"{sum(by_line[n].max_points for n in self.lines if n in by_line):g}"))
+        points = sum(by_line[n].points for n in self.lines if n in by_line)
+        most = sum(by_line[n].max_points for n in self.lines if n in by_line)
+        self.user_properties += [("score", f"{points:g}/{most:g}"), ("distlab_points", (self.parent.path.name,
+                                                                                     points, most))]
         if result.flags:
             self.user_properties.append(("audit", "; ".join(result.flags)))
         if got != self.expected:
@@ -209,3 +238,27 @@ class GradedCell(pytest.Item):
 
     def reportinfo(self) -> tuple[Any, int, str]:
         return self.path, 0, f"{self.parent.path.name}::{self.name}"
+
+
+# ---- each notebook's score at the end of the run (from the items' reports: with -n 2 they come from workers)
+
+_SCORES: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    if report.when != "call":
+        return
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "distlab_points" and isinstance(value, (list, tuple)) and len(value) == 3:
+            got = _SCORES.setdefault(str(value[0]), [0.0, 0.0])
+            got[0] += float(value[1])
+            got[1] += float(value[2])
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:
+    if not config.getoption("--distlab-grade", None) or not _SCORES:
+        return
+    terminalreporter.section(f"distlab grade {config.getoption('--distlab-grade')}: score per notebook")
+    width = max(len(name) for name in _SCORES)
+    for name, (points, most) in sorted(_SCORES.items()):
+        terminalreporter.write_line(f"{name:<{width}}  {points:g}/{most:g}")

@@ -248,7 +248,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         torch._C._DisableTorchDispatch
     mro_of, name_of = type.__dict__["__mro__"].__get__, type.__dict__["__name__"].__get__
     c10d_types = frozenset(v for v in vars(torch._C._distributed_c10d).values() if isinstance(v, type))
-    Gloo = dist.ProcessGroupGloo
+    Gloo, PG = dist.ProcessGroupGloo, torch._C._distributed_c10d.ProcessGroup
     Nccl = getattr(dist, "ProcessGroupNCCL", None)
     kinds = dict(OP_KINDS)
     markers = frozenset(COALESCING)
@@ -436,8 +436,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             if name in markers:    # NCCL's group start/end around a batch_isend_irecv: no bytes
                 if _len(call) != 1 or _type(call[0]) is not Device:
                     raise TypeError("distlab grade: " + name + " takes one torch.device")
+                marker = _getattr(entry[1], name)    # a Backend's binding takes no device, a ProcessGroup's does
                 with no_dispatch():
-                    box.append(_getattr(entry[1], name)(call[0]))
+                    box.append(marker(call[0]) if PG in mro_of(_type(entry[1])) else marker())
                 return
             call = clean(call)
             with no_torch_fn(), no_dispatch():    # a tensor subclass's Python methods never run here
@@ -454,7 +455,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         elif ev == "distlab.pg.create":
             group, store, rank, size, timeout, members, box = args
             if group._backend_name.endswith("nccl") and Nccl:
-                inner = Nccl(store, rank, size)
+                options = Nccl.Options()
+                options._timeout = timeout     # the stall window (rankside): NCCL's watchdog reports a hang
+                inner = Nccl(store, rank, size, options)
             else:    # on the group thread: this thread may no longer open sockets (seccomp)
                 inner = on_group_thread(Gloo, store, rank, size, timeout)
             gid = _len(groups)

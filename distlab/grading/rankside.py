@@ -79,9 +79,13 @@ def _region_methods() -> dict[str, Any]:
     return {"__enter__": __enter__, "__exit__": __exit__, "stats": stats_}
 
 
-def _metered_group(timeout_s: float) -> None:
-    """Re-create the default group (set up by `distlab.launch`) as a MeteredGroup on the same ranks."""
+def _metered_group(timeout_s: float, stall_s: float | None = None) -> None:
+    """Re-create the default group (set up by `distlab.launch`) as a MeteredGroup on the same ranks. On NCCL
+    its timeout is the stall window, as the launcher's own NCCL group's (`runtime.group_timeout_s`): a rank
+    spinning behind a hung kernel is told from a working one only by NCCL's watchdog."""
+    from distlab.engine.runtime import group_timeout_s
     kind = "nccl" if dist.get_backend() == "nccl" else "gloo"
+    group_s = group_timeout_s(kind, timeout_s, stall_s)
     name = f"metered_{kind}"
     if name.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(name, partial(pgmeter.create, backend_name=name), extended_api=True,
@@ -96,7 +100,7 @@ def _metered_group(timeout_s: float) -> None:
     prefixed.set(f"joined{rank}", "1")
     prefixed.wait([f"joined{r}" for r in range(size)], timedelta(seconds=timeout_s))
     dist.destroy_process_group()
-    dist.init_process_group(name, store=prefixed, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(name, store=prefixed, rank=rank, world_size=size, timeout=timedelta(seconds=group_s))
 
 
 def _cpu_limit(seconds: float) -> None:
@@ -123,7 +127,8 @@ def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -
 
 
 def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, str]], names: list[str],
-             stream_paths: list[str], timeout_s: float, input_paths: list[str] | None = None) -> bytes:
+             stream_paths: list[str], timeout_s: float, input_paths: list[str] | None = None,
+             stall_s: float | None = None) -> bytes:
     """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
     `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`)."""
     mine = None
@@ -185,7 +190,7 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         "distlab.shortcut": shortcut_codes,
     }, snapshot_modules=tuple(sorted(m for m in sys.modules if m.startswith(WATCHED_PREFIXES) or m in WATCHED
                                      or m in shortcut_modules)))
-    _metered_group(timeout_s)
+    _metered_group(timeout_s, stall_s)
     # On NCCL, a batch_isend_irecv on the (Python) metered group runs grouped, as it would without the grader.
     dist.batch_isend_irecv = pgmeter.grouped_batch_isend_irecv(dist.batch_isend_irecv)
     _cpu_limit(timeout_s)

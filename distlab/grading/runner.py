@@ -156,7 +156,8 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
             offered.append(offer(path, base64.b64decode(inputs[r])))
         outputs = run_on_ranks(on_rank, case.world_size,
                          args=(job["lab"], task.name, index, job["cells"], job["names"][task.name], streams.paths, job["cap_s"]),
-                         kwargs=dict(input_paths=paths), backend=job["backend"], stall=job["stall_s"],
+                         kwargs=dict(input_paths=paths, stall_s=job["stall_s"]), backend=job["backend"],
+                         stall=job["stall_s"],
                          timeout=job["cap_s"], loads=plain_loads)
         if not all(isinstance(o, bytes) for o in outputs):
             raise TypeError("a rank returned something other than its outputs (safetensors bytes)")
