@@ -59,9 +59,49 @@ def test_a_deadlock_is_reported_in_seconds_with_its_case_and_line(no_orphans, sh
     took = time.monotonic() - start
     assert took < 60, took   # one stall window, then the remaining cases are skipped
     assert out[0].startswith(f"FAIL all_gather, 2 ranks, values: hung: rank(s) [1] waited {short_stall} s")
-    assert "(case: 1 elements, float32, sum)" in out[0] and "rank 1 waits in ring_all_gather (" in out[0]
+    assert "(case: 1 elements, float32, sum)" in out[0]
+    # the learner's function, its file (here the test's name for the cell) and line: the last step's wait
+    assert "rank 1 waits in ring_all_gather (replaced ring_all_gather, line 10)" in out[0], out[0]
+    # the rank that never sent: rank 0 skipped its last step and returned
+    assert "rank(s) [0] had already returned, so what the waiting rank(s) expect from it was never sent" in out[0]
     assert "a receive has no matching send" in out[0]
     assert out[2:] == [f"FAIL all_gather, {n} ranks, {k}: not run: an earlier case (2 ranks) hung"
+                       for n in (3, 4) for k in ("values", "traffic")]
+
+
+# A ring whose step counter never moves (`step += 1` forgotten): the ranks exchange chunks forever, busy,
+# so no stall window ever ends it.
+BUSY = '''
+def ring_all_gather(tensor):
+    r, n = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n)]
+    step = 0
+    while step < n - 1:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, chunks[(r - step - 1) % n], (r - 1) % n),
+                                        dist.P2POp(dist.isend, chunks[(r - step) % n], (r + 1) % n)])
+        for w in works:
+            w.wait()
+    return tensor
+'''
+
+
+def test_a_busy_loop_is_stopped_as_a_livelock_naming_its_line(no_orphans):
+    import distlab
+    from distlab.checks.task import LIVELOCK_FLOOR_S
+    distlab.launch(lambda: None, 2)     # the fork server is up, as after a lab's setup cell
+    start = time.monotonic()
+    out = _lines(run("01_collectives", "all_gather", answers("01_collectives", replace={"ring_all_gather": BUSY})))
+    took = time.monotonic() - start
+    assert took < 30, took
+    head = f"FAIL all_gather, 2 ranks, values: never finished: rank(s) [0, 1] were still working after "
+    assert out[0].startswith(head + f"{LIVELOCK_FLOOR_S:g} s of CPU time"), out[0]
+    assert "(case: 1 elements, float32, sum)" in out[0]
+    # the stack sample lands somewhere in the loop's body (lines 8 to 12 of the cell)
+    import re
+    lines = re.findall(r"rank (\d) was at ring_all_gather \(replaced ring_all_gather, line (\d+)\)", out[0])
+    assert [r for r, _ in lines] == ["0", "1"] and all(8 <= int(n) <= 12 for _, n in lines), out[0]
+    assert out[2:] == [f"FAIL all_gather, {n} ranks, {k}: not run: an earlier case (2 ranks) never finished"
                        for n in (3, 4) for k in ("values", "traffic")]
 
 

@@ -101,3 +101,47 @@ def test_a_stub_fails_every_line_and_only_its_first_case_runs():
     # a written answer runs every case
     launched.clear()
     assert all(line.ok for line in run_task(Two(), [lambda: [1, 2]], run=run)) and launched == [2, 3, 4]
+
+
+def _redefine(source: str, ns: dict) -> None:
+    exec(compile(source, "<cell>", "exec"), ns)  # noqa: S102 - a notebook cell, re-run
+
+
+def test_a_class_redefined_after_add_to_class_is_explained_by_grade_and_kept_by_restore(capsys):
+    from distlab.checks.task import Case, Task, grader
+    from distlab.course import stepwise
+    ns = {"__name__": "lab_redefined", "add_to_class": distlab.add_to_class}
+    step1 = "class Sharded:\n    def __init__(self):\n        self.n = 1\n"
+    _redefine(step1, ns)
+    _redefine("@add_to_class(Sharded)\ndef _on_grad(self):\n    return 2\n", ns)
+    _redefine("@add_to_class(Sharded)\ndef step(self):\n    return 3\n", ns)
+    _redefine(step1, ns)                   # the learner re-runs the class cell: a new class, no added methods
+    cls = ns["Sharded"]
+    assert stepwise.missing_methods(cls) == ["_on_grad", "step"]
+
+    class OneCase(Task):
+        name, answers = "step", ("Sharded",)
+
+        def cases(self):
+            return [Case(2, ("step, 2 ranks: values", "step, 2 ranks: traffic"))]
+
+    grader({"step": OneCase()})("step", cls)          # nothing runs: the verdict says what happened
+    lost = ("the class Sharded was redefined after the cells that add _on_grad, step ran, so it lacks them: "
+            "re-run the cells that define _on_grad, step (in order), then this check")
+    assert capsys.readouterr().out.splitlines() == [f"FAIL step, 2 ranks: values: {lost}",
+                                                    f"FAIL step, 2 ranks: traffic: {lost}"]
+    # In a notebook the class gets them back at the end of the cell that redefined it (`restore`).
+    assert stepwise.restore(cls) == ["_on_grad", "step"] and cls().step() == 3 and stepwise.missing_methods(cls) == []
+
+
+def test_interrupting_a_check_prints_one_line(capsys, monkeypatch):
+    import distlab.checks.task as task
+    from distlab.checks.ch01 import grade
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(task, "grade_task", interrupted)
+    grade("all_gather", lambda tensor: tensor)
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["interrupted: the check of 'all_gather' was stopped before it finished "
+                                    "(no rank is left running)"] and out.err == ""

@@ -225,3 +225,26 @@ def test_ranks_see_the_launchers_settings_of_now_not_the_fork_servers(monkeypatc
     assert distlab.launch(_setting, 1) == ["second"]
     monkeypatch.delenv("DISTLAB_PROBE_SETTING")
     assert distlab.launch(_setting, 1) == [None]
+
+
+def test_a_hang_names_the_notebook_cell_its_line_and_the_rank_that_never_sent(no_orphans):
+    # A function defined in a notebook cell: the stuck rank's line is named as the learner sees it, by the
+    # cell's execution count and its source, not cloudpickle's "<dynamic-code>".
+    from IPython.core.interactiveshell import InteractiveShell
+    from distlab.checks.verdict import reason
+    from distlab.engine.launch import LaunchStalled
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("import torch, torch.distributed as dist\n\n"
+                       "def wait_for_rank_0():\n"
+                       "    if dist.get_rank() == 1:\n"
+                       "        dist.recv(torch.zeros(1), 0)   # rank 0 never sends\n", store_history=True)
+        count = shell.execution_count - 1
+        with pytest.raises(LaunchStalled) as info:
+            run_on_ranks(shell.user_ns["wait_for_rank_0"], 2, stall=2)
+        text = reason(info.value)
+    finally:
+        InteractiveShell.clear_instance()
+    assert text == (f"hung: rank(s) [1] waited 2 s for each other; rank 1 waits in recv, called from "
+                    f"wait_for_rank_0 (cell [{count}], line 5: `dist.recv(torch.zeros(1), 0)   # rank 0 never sends`); "
+                    "rank(s) [0] had already returned, so what the waiting rank(s) expect from it was never sent")

@@ -35,6 +35,7 @@ import contextlib
 import functools
 import io
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -46,6 +47,13 @@ from distlab.checks.verdict import CheckFailed, reason
 # Check cases are small: a healthy case never leaves all ranks idle this long.
 CHECK_STALL_S = 5.0
 
+# The opposite of a hang: a case whose busiest rank keeps working (a loop whose counter never moves) is
+# stopped once that rank has used LIVELOCK_FACTOR times the reference's time in CPU seconds, and never less
+# than LIVELOCK_FLOOR_S: the slowest correct case here uses about 2 s of CPU per rank (chapter 2's naive
+# DDP on 4 ranks). CPU time, not wall time: a loaded machine slows a rank's clock, not its work.
+LIVELOCK_FLOOR_S = 6.0
+LIVELOCK_FACTOR = 10.0
+
 # The reason `verdict.reason` gives for an answer that raises NotImplementedError (a stub), and the line of
 # each later case of its task, which is then not run.
 NOT_WRITTEN = "not implemented yet"
@@ -53,7 +61,8 @@ SKIPPED_NOT_WRITTEN = f"{NOT_WRITTEN} (not run: an earlier case raised NotImplem
 
 
 def later_cases_reason(world_size: int, why: str, stuck: str = "") -> str | None:
-    """After a case failed with `why` (`stuck`: "hung" or "ran past the cap" when it never ended), the line
+    """After a case failed with `why` (`stuck`: "hung", "never finished" or "ran past the cap" when it never
+    ended), the line
     each later case of the task gets without running, or None if they still run. A hang would make each
     of them wait just as long; a stub would say the same. (The notebook's `run_task` and the grader's
     runner both follow this.)"""
@@ -178,25 +187,43 @@ def validate(obj: Any) -> None:
 # ---- running a task from a notebook ---------------------------------------------------------------
 
 @functools.lru_cache(maxsize=256)
-def _reference(task: Task, case: Case) -> Any:
-    return task.reference(case)
+def _reference(task: Task, case: Case) -> tuple[Any, float]:
+    start = time.monotonic()
+    ref = task.reference(case)
+    return ref, time.monotonic() - start
 
 
 def reference_of(task: Task, case: Case) -> Any:
     """`task.reference(case)`, computed once per process."""
-    return _reference(task, case)
+    return _reference(task, case)[0]
+
+
+def work_cap_for(reference_s: float) -> float:
+    """The livelock bound of a case whose reference took `reference_s` seconds: the CPU seconds its busiest
+    rank may use (`run_on_ranks(work_cap=...)`); LIVELOCK_FACTOR x the reference, at least LIVELOCK_FLOOR_S."""
+    return max(LIVELOCK_FLOOR_S, LIVELOCK_FACTOR * reference_s)
 
 
 def _exercise_on_rank(task: Task, case: Case, answers: tuple) -> Any:
     return task.exercise(case, *answers)
 
 
-def launch_exercise(task: Task, case: Case, answers: tuple, *, stall: float | None = None) -> list[Any]:
+def launch_exercise(task: Task, case: Case, answers: tuple, *, stall: float | None = None,
+                    work_cap: float | None = None) -> list[Any]:
     """Run `task.exercise(case, *answers)` on `case.world_size` ranks (the notebook's way);
-    `stall`: the hang window, `CHECK_STALL_S` unless given."""
-    from distlab.engine.launch import launch
-    return launch(_exercise_on_rank, case.world_size, args=(task, case, tuple(answers)),
-                  stall=CHECK_STALL_S if stall is None else stall)
+    `stall`: the hang window, `CHECK_STALL_S` unless given; `work_cap`: the livelock bound,
+    `work_cap_for` the reference's time unless given."""
+    from distlab.engine.launch import run_on_ranks
+    if work_cap is None:
+        work_cap = work_cap_for(_reference(task, case)[1])
+    return run_on_ranks(_exercise_on_rank, case.world_size, args=(task, case, tuple(answers)),
+                        stall=CHECK_STALL_S if stall is None else stall, work_cap=work_cap)
+
+
+def stuck_word(exc: BaseException) -> str:
+    """"hung" for a deadlock, "never finished" for a livelock, "" for anything that ended."""
+    from distlab.engine.launch import LaunchOverran, LaunchStalled
+    return "hung" if isinstance(exc, LaunchStalled) else "never finished" if isinstance(exc, LaunchOverran) else ""
 
 
 def run_task(task: Task, answers: Iterable[Any], *,
@@ -204,8 +231,9 @@ def run_task(task: Task, answers: Iterable[Any], *,
     """Every verdict line of `task`, in order: run each case, validate its outputs, judge them.
 
     A case whose launch fails fails its lines with the reason. After a hang,
-    the remaining cases are not run (each waits just as long): their lines
-    fail with "not run". After a NotImplementedError (an answer still to be
+    or a livelock (a rank busy past the case's work cap), the remaining
+    cases are not run (each waits just as long): their lines fail with "not
+    run". After a NotImplementedError (an answer still to be
     written) the remaining cases are not run either: they would say the same.
     """
     answers = tuple(answers)
@@ -220,9 +248,8 @@ def run_task(task: Task, answers: Iterable[Any], *,
             outputs = run(task, case, answers)
             validate(outputs)
         except Exception as exc:  # noqa: BLE001 - every failure is a verdict
-            from distlab.engine.launch import LaunchStalled
             why = reason(exc, task.hang_hint)
-            skip = later_cases_reason(case.world_size, why, "hung" if isinstance(exc, LaunchStalled) else "")
+            skip = later_cases_reason(case.world_size, why, stuck_word(exc))
             out += [Line(n, False, why) for n in case.lines]
             continue
         try:
@@ -256,7 +283,17 @@ def grader(tasks: dict[str, Task]) -> Callable[..., None]:
         task = tasks[name]
         if len(answers) != len(task.answers):
             raise TypeError(f"grade({name!r}, ...) takes {len(task.answers)} answer(s): {', '.join(task.answers)}")
-        grade_task(task, *answers)
+        from distlab.course.stepwise import redefined_message
+        lost = next((m for m in map(redefined_message, answers) if m), "")
+        if lost:     # a class cell re-run after the cells that added methods to it: say so, run nothing
+            for line in task.lines():
+                print(Line(line, False, lost))
+            return
+        try:
+            grade_task(task, *answers)
+        except KeyboardInterrupt:
+            # The launcher has already stopped every rank; a traceback through the package says nothing more.
+            print(f"interrupted: the check of {name!r} was stopped before it finished (no rank is left running)")
 
     return grade
 

@@ -44,27 +44,65 @@ def expect(condition: bool, message: str) -> None:
 
 
 def reason(exc: BaseException, hint: str = "") -> str:
-    """One line: the learner's own exception, unwrapped from a failed rank; where ranks hung."""
-    from distlab.engine.launch import LaunchStalled, LaunchTimeout, RankFailed
+    """One line: the learner's own exception, unwrapped from a failed rank; where ranks hung or looped."""
+    from distlab.engine.launch import LaunchOverran, LaunchStalled, LaunchTimeout, RankFailed
     if isinstance(exc, CheckFailed):
         return str(exc)
     if isinstance(exc, RankFailed):
         if exc.exc_type == "NotImplementedError":
             return "not implemented yet (NotImplementedError on a rank)"
         first = str(exc).splitlines()[0]
-        return first if len(first) < 200 else first[:197] + "..."
+        at = _raised_at(exc.traceback)
+        first = first if len(first) < 200 else first[:197] + "..."
+        return first + (f" (at {at})" if at else "")
     if isinstance(exc, LaunchStalled):
-        where = "; ".join(f"rank {r} waits in {w}" for r, w in exc.where.items() if w)
+        calls = getattr(exc, "calls", {})
+        where = "; ".join(f"rank {r} waits in {calls[r] + ', called from ' if calls.get(r) else ''}{w}"
+                          for r, w in exc.where.items() if w)
         case = next((n for n in exc.notes.values() if n), "")
         text = f"hung: rank(s) {exc.ranks} waited {exc.timeout_s:g} s for each other"
         text += f" (case: {case})" if case else ""
         text += f"; {where}" if where else ""
+        finished = getattr(exc, "finished", [])
+        if finished:
+            text += (f"; rank(s) {finished} had already returned, so what the waiting rank(s) expect from "
+                     f"{'it' if len(finished) == 1 else 'them'} was never sent")
         return text + (f". {hint}" if hint else "")
+    if isinstance(exc, LaunchOverran):
+        where = "; ".join(f"rank {r} was at {w}" for r, w in exc.where.items() if w)
+        case = next((n for n in exc.notes.values() if n), "")
+        text = (f"never finished: rank(s) {exc.ranks} were still working after {exc.timeout_s:g} s of CPU time, "
+                "far longer than a correct answer needs, and were stopped")
+        text += f" (case: {case})" if case else ""
+        text += f"; {where}" if where else ""
+        return text + ". A loop that never ends? (a step counter never increased, a condition no rank changes)"
     if isinstance(exc, LaunchTimeout):
         return f"timed out: rank(s) {exc.ranks} still running after {exc.timeout_s:g} s"
     if isinstance(exc, NotImplementedError):
         return "not implemented yet (NotImplementedError)"
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _raised_at(traceback: str) -> str:
+    """The learner's line a rank's traceback went through last (`cell [13], line 9: ...`), or ""."""
+    import os
+    from distlab.engine.launch import place
+    last = ""
+    for line in traceback.splitlines():
+        line = line.strip()
+        if not line.startswith('File "'):
+            continue
+        try:
+            _, path, rest = line.split('"', 2)
+            lineno = rest.split("line", 1)[1].split(",")[0].strip()
+            fn = rest.rsplit(" in ", 1)[-1].strip()
+        except (ValueError, IndexError):
+            continue
+        engine = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep, os.sep + "multiprocessing" + os.sep,
+                  os.sep + "site-packages" + os.sep, os.sep + "python3")
+        if not any(e in path for e in engine):
+            last = place(path, lineno, fn)
+    return last
 
 
 def check(name: str, fn: Callable[[], Any]) -> bool:

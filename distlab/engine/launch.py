@@ -16,11 +16,15 @@ rank that computes or moves bytes is working, however slow the machine; when
 no unfinished rank has done any work for `stall` seconds, they are waiting
 for each other forever (a collective some ranks skip, a recv without a
 send). Then each stuck rank's Python stack is read (faulthandler) and the
-launch raises `LaunchStalled`, which says where each rank waits. `timeout`
-is only a last-resort cap on the whole launch.
+launch raises `LaunchStalled`, which says where each rank waits. The
+opposite, a rank busy forever (a loop whose counter never moves), is a
+livelock: `run_on_ranks(..., work_cap=s)` stops a launch in which one rank
+has used more than `s` seconds of CPU and raises `LaunchOverran`, with the
+same stacks. `timeout` is only a last-resort cap on the whole launch.
 
-Failures come back as `RankFailed` / `LaunchStalled` / `LaunchTimeout`, and
-no process is left behind in any case, Jupyter's interrupt included.
+Failures come back as `RankFailed` / `LaunchStalled` / `LaunchOverran` /
+`LaunchTimeout`, and no process is left behind in any case, Jupyter's
+interrupt included.
 """
 from __future__ import annotations
 
@@ -94,21 +98,25 @@ class LaunchStalled(LaunchTimeout):
     """Every unfinished rank waited `stall_s` seconds without doing any work.
 
     `ranks` lists them; `stacks[r]` is where rank r was waiting (its Python
-    stack, innermost call last), `where[r]` the innermost line of it.
+    stack, innermost call last), `where[r]` the innermost line of it that is the
+    learner's, `calls[r]` the torch.distributed function it waits in ("recv",
+    "broadcast"; "" when none shows); `finished` the ranks that had returned.
     """
 
     def __init__(self, ranks: list[int], stall_s: float, stacks: dict[int, str], finished: list[int],
                  notes: dict[int, str] | None = None, detail: dict[int, str] | None = None):
-        self.stacks = stacks
+        self.stacks, self.finished = stacks, list(finished)
         self.detail = detail or {}
         self.where = {r: _innermost(stacks.get(r, "")) for r in ranks}
+        self.calls = {r: _c10d_call(stacks.get(r, "")) for r in ranks}
         self.notes = notes or {}
         lines = [f"rank(s) {ranks} waited {stall_s:g} s without doing any work: they wait for "
                  "each other forever, and were stopped." if not self.detail else
                  f"rank(s) {ranks} waited {stall_s:g} s (the stall window) for an operation that never completed, "
                  "and were stopped."]
         for r in ranks:
-            lines.append(f"  rank {r} is stuck at {self.where[r] or 'an unknown place'}"
+            lines.append(f"  rank {r} is stuck {'in ' + self.calls[r] + ', ' if self.calls[r] else ''}"
+                         f"at {self.where[r] or 'an unknown place'}"
                          + (f" (it was doing: {self.notes[r]})" if self.notes.get(r) else ""))
             if self.detail.get(r):
                 lines.append(f"    {self.detail[r]}")
@@ -120,9 +128,59 @@ class LaunchStalled(LaunchTimeout):
         super().__init__(ranks, stall_s, "\n".join(lines))
 
 
-def _innermost(stack: str) -> str:
-    """'fn (where:line)' of the innermost frame of a faulthandler dump that is the learner's own
-    (not torch's, not distlab's engine); else the innermost distlab frame."""
+class LaunchOverran(LaunchTimeout):
+    """A rank kept working past the launch's `work_cap` (CPU seconds): a livelock, busy but never done.
+
+    Like `LaunchStalled`: `ranks` lists the unfinished ranks, `stacks[r]` is a
+    sample of rank r's Python stack when it was stopped, `where[r]` its
+    innermost line of the learner's code, `notes[r]` the rank's last
+    `progress` note; `cpu_s[r]` the CPU seconds it had used.
+    """
+
+    def __init__(self, ranks: list[int], work_cap_s: float, stacks: dict[int, str], finished: list[int],
+                 notes: dict[int, str] | None = None, cpu_s: dict[int, float] | None = None):
+        self.stacks, self.notes, self.cpu_s, self.finished = stacks, notes or {}, cpu_s or {}, list(finished)
+        self.where = {r: _innermost(stacks.get(r, "")) for r in ranks}
+        lines = [f"rank(s) {ranks} were still working after {work_cap_s:g} s of CPU time, far more than the "
+                 "job needs: a loop that never ends (livelock), so they were stopped."]
+        for r in ranks:
+            lines.append(f"  rank {r} was at {self.where[r] or 'an unknown place'}"
+                         + (f" (it was doing: {self.notes[r]})" if self.notes.get(r) else ""))
+        if finished:
+            lines.append(f"  rank(s) {finished} had already returned.")
+        lines.append("Check that every loop's condition changes: a step counter that is never increased, "
+                     "a `while` that waits for a value no rank sets.")
+        super().__init__(ranks, work_cap_s, "\n".join(lines))
+
+
+def cell_name(path: str) -> str:
+    """How the learner sees the file a frame ran in: `cell [13]` for a notebook cell this kernel ran (its
+    execution count), the grader's `answer cell ...` as it is, else the file's base name."""
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+        count = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(path)
+    except Exception:  # noqa: BLE001 - no IPython, or one without the map: fall back to the file name
+        count = None
+    if count is not None:
+        return f"cell [{count}]"
+    if path.startswith("<") and path.endswith(">"):
+        return path[1:-1]
+    return "a notebook cell" if "ipykernel" in path else os.path.basename(path)
+
+
+def place(path: str, lineno: int | str, fn: str = "") -> str:
+    """'fn (cell [13], line 9: `source line`)': a frame as the learner sees it (the source line when this
+    process can read it, as a kernel can its own cells)."""
+    import linecache
+    text = linecache.getline(path, int(lineno)).strip() if str(lineno).isdigit() else ""
+    text = text if len(text) <= 80 else text[:77] + "..."
+    where = f"{cell_name(path)}, line {lineno}" + (f": `{text}`" if text else "")
+    return f"{fn} ({where})" if fn else where
+
+
+def _frames(stack: str) -> list[tuple[str, str, str]]:
+    """(path, line, function) of each frame of a faulthandler dump, innermost first."""
     frames = []
     for line in stack.splitlines():
         line = line.strip()
@@ -135,12 +193,33 @@ def _innermost(stack: str) -> str:
         except (ValueError, IndexError):
             continue
         frames.append((path, lineno, fn))
+    return frames
+
+
+def _c10d_call(stack: str) -> str:
+    """The torch.distributed function a rank waits in ('recv', 'all_reduce'), from its stack dump; ''."""
+    for path, _, fn in _frames(stack):
+        if path.endswith("distributed_c10d.py") and not fn.startswith("_"):
+            return fn
+    return ""
+
+
+def _innermost(stack: str) -> str:
+    """'fn (cell [13], line 9: `source`)' of the innermost frame of a faulthandler dump that is the
+    learner's own (not torch's, not distlab's), with its caller when that is the learner's too; else
+    the innermost distlab frame."""
+    frames = _frames(stack)
     engine = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep, os.sep + "multiprocessing" + os.sep)
     # faulthandler prints the innermost frame first.
-    for path, lineno, fn in frames:
-        if not any(e in path for e in engine):
-            place = "notebook cell" if "ipykernel" in path else os.path.basename(path)
-            return f"{fn} ({place}, line {lineno})"
+    mine = [(path, lineno, fn) for path, lineno, fn in frames if not any(e in path for e in engine)
+            and path != "<string>" and not path.startswith("<frozen")]   # the fork server's own `-c` code
+    if mine:
+        # A small helper of the learner's (a `p2p` that posts and waits) is where the rank waits, its caller
+        # is the line to fix: name both.
+        text = place(*mine[0])
+        if len(mine) > 1 and mine[1][2] != mine[0][2]:
+            text += f", called from {place(*mine[1])}"
+        return text
     for path, lineno, fn in frames:
         if os.sep + "distlab" + os.sep in path:
             return f"{fn} ({os.path.basename(path)}, line {lineno})"
@@ -233,7 +312,8 @@ def _check_world_size(world_size: Any) -> int:
 
 
 class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle, plus: module objects of a ModuleType *subclass* travel by name.
+    """cloudpickle, plus: module objects of a ModuleType *subclass* travel by name, and code keeps its
+    file name.
 
     torch installs some modules (e.g. `torch.distributed.config`) as instances of
     a ModuleType subclass. cloudpickle pickles plain modules by import name but
@@ -243,6 +323,12 @@ class _Pickler(cloudpickle.CloudPickler):
     """
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType):
+            # cloudpickle writes every code object's file name as "<dynamic-code>"; keep the real one
+            # (a notebook cell's), so that a rank's traceback or stack names the cell and the parent
+            # can say which (`cell_name`).
+            make, fields = cloudpickle.cloudpickle._code_reduce(obj)
+            return make, tuple(obj.co_filename if f == "<dynamic-code>" else f for f in fields)
         if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and obj.__name__ in sys.modules:
             return importlib.import_module, (obj.__name__,)
         return super().reducer_override(obj)
@@ -392,8 +478,9 @@ def _root_cause(failed: dict[int, dict[str, Any]]) -> int:
 
 
 def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, stall_s: float,
-          loads: Callable[[bytes], Any] = cloudpickle.loads) -> list[Any]:
-    """Wait until every rank reports; on the first failure, a stall or the deadline, raise.
+          loads: Callable[[bytes], Any] = cloudpickle.loads, work_cap: float | None = None) -> list[Any]:
+    """Wait until every rank reports; on the first failure, a stall, a rank past `work_cap` CPU seconds
+    or the deadline, raise.
 
     A rank reports on its pipe ("ok" or "err"); a rank that dies without a
     report is seen through its process sentinel.
@@ -410,6 +497,12 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
             raise LaunchTimeout(sorted(pending), timeout_s)
         if monitor.busy([ranks[r].pid for r in pending], now):
             last_work = now
+            if work_cap is not None:
+                cpu = {r: monitor.cpu_s.get(ranks[r].pid, 0.0) for r in sorted(pending)}
+                if max(cpu.values()) > work_cap:
+                    stuck = sorted(pending)
+                    raise LaunchOverran(stuck, work_cap, _stacks(ranks, stuck, workdir),
+                                        sorted(set(range(len(ranks))) - pending), _notes(stuck, workdir), cpu)
         elif now - last_work >= stall_s:
             stuck = sorted(pending)
             raise LaunchStalled(stuck, stall_s, _stacks(ranks, stuck, workdir),
@@ -513,7 +606,7 @@ def _check_arguments(args: Any, kwargs: Any) -> tuple[tuple, dict]:
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list = (), kwargs: dict | None = None,
                  backend: str | None = None, stall: float | None = None, strict: bool | None = None,
                  timeout: float | None = None, audit: bool | None = None,
-                 loads: Callable[[bytes], Any] | None = None) -> list[Any]:
+                 loads: Callable[[bytes], Any] | None = None, work_cap: float | None = None) -> list[Any]:
     """`launch` with the options the grader, the tour and the test suite also need.
 
     `timeout` (seconds, default 4 h): a last-resort cap on the whole launch
@@ -527,14 +620,21 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list 
     learner code runs on the ranks and can write anything into those files.
     `distlab grade --backend gloo` sets $DISTLAB_BACKEND, so that a check's
     reference runs where the learner's ranks run.
+    `work_cap` (CPU seconds, default None: no cap): a livelock bound. When any
+    one rank (with its child processes) has used more CPU time than this, the
+    launch stops and raises `LaunchOverran`, with each unfinished rank's stack
+    sample, as `LaunchStalled` does. CPU time, not wall time: a loaded machine
+    slows a healthy rank's clock, not its work. (A graded check passes a cap
+    derived from its reference's time, `distlab.checks.task.work_cap_for`.)
     """
     args, kwargs = _check_arguments(args, kwargs)
     world_size = _check_world_size(world_size)
     backend = resolve_backend(backend or os.environ.get("DISTLAB_BACKEND") or "auto", world_size)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     stall = default_stall(backend) if stall is None else float(stall)
-    if timeout <= 0 or stall <= 0:
-        raise ValueError(f"timeout and stall must be positive seconds, got timeout={timeout}, stall={stall}")
+    if timeout <= 0 or stall <= 0 or (work_cap is not None and work_cap <= 0):
+        raise ValueError(f"timeout, stall and work_cap must be positive seconds, got timeout={timeout}, "
+                         f"stall={stall}, work_cap={work_cap}")
     audit = audit_requested() if audit is None else bool(audit)
     strict = (_strict.requested() if strict is None else bool(strict)) and backend == "gloo"
     audit = audit or strict
@@ -560,7 +660,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list 
             send_end.close()  # the child holds the only write end: EOF means it died
             ranks.append(p)
             pipes.append(recv_end)
-        results = _wait(ranks, pipes, workdir, timeout, stall, loads or cloudpickle.loads)
+        results = _wait(ranks, pipes, workdir, timeout, stall, loads or cloudpickle.loads, work_cap)
         store.set(_runtime.EXIT_KEY, "1")  # every rank succeeded: let them leave together
         for p in ranks:
             p.join(timeout=10)

@@ -92,7 +92,9 @@ class ProgressMonitor:
     work when some process of the tree used more than `min_share` of a core
     since then, or is runnable now (state R: starved of CPU on a busy
     machine is not stuck). No work on every look for a whole stall window
-    means stuck, however slow the machine is.
+    means stuck, however slow the machine is. `cpu_s[pid]` is the CPU time the
+    tree of each watched process had used at the latest look (the launcher's
+    work cap, for a livelock: busy, never done).
     """
 
     def __init__(self, min_share: float = 0.05, interval_s: float = 1.0) -> None:
@@ -100,6 +102,7 @@ class ProgressMonitor:
         self._cpu: dict[int, float] = {}
         self._at = 0.0
         self._verdict = True
+        self.cpu_s: dict[int, float] = {}   # CPU seconds each watched root process (and its tree) has used
 
     def busy(self, pids: Iterable[int], now: float) -> bool:
         """Work seen at the latest look (looks closer than `interval_s` repeat the last answer)."""
@@ -108,15 +111,18 @@ class ProgressMonitor:
         elapsed, self._at = now - self._at, now
         busy = False
         cpu: dict[int, float] = {}
-        for p in tree(pids):
-            try:
-                t = p.cpu_times()
-                cpu[p.pid] = t.user + t.system
-                running = p.status() == psutil.STATUS_RUNNING
-            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-                continue
-            before = self._cpu.get(p.pid)
-            if running or before is None or (cpu[p.pid] - before) / elapsed >= self.min_share:
-                busy = True
+        for root in pids:
+            self.cpu_s[root] = 0.0
+            for p in tree([root]):
+                try:
+                    t = p.cpu_times()
+                    cpu[p.pid] = t.user + t.system
+                    running = p.status() == psutil.STATUS_RUNNING
+                except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                    continue
+                self.cpu_s[root] += cpu[p.pid]
+                before = self._cpu.get(p.pid)
+                if running or before is None or (cpu[p.pid] - before) / elapsed >= self.min_share:
+                    busy = True
         self._cpu, self._verdict = cpu, busy
         return busy
