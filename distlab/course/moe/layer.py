@@ -127,9 +127,8 @@ class MoE(nn.Module):
             expert, weight, slot = route(logits, self.k, cap)
             y = torch.zeros_like(xs)
             for e, mlp in enumerate(self.experts):
-                tok, choice = expert_rows(expert, slot, e)
-                if len(tok):
-                    y = y.index_add(0, tok, mlp(xs[tok]) * weight[tok, choice, None])
+                tok, choice = expert_rows(expert, slot, e)   # an idle expert runs on 0 rows: zero gradients
+                y = y.index_add(0, tok, mlp(xs[tok]) * weight[tok, choice, None])
             outs.append(y)
             assigned.append(torch.bincount(expert.reshape(-1), minlength=self.n_experts))
             kept.append(torch.bincount(expert[slot >= 0], minlength=self.n_experts))

@@ -1,0 +1,120 @@
+"""Chapter 10's pictures, drawn from routing decisions and measured counts (the notebook passes them in).
+
+    token_flow(expert, slot, ranks=2, n_experts=4)   # tokens on their ranks -> the experts they chose, across ranks
+    splits(m)                                         # the all-to-all's send and receive splits: rows i -> j
+    load_over_steps(runs)                             # tokens per expert and per rank over steps, busiest rank
+
+Each returns the matplotlib Figure.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def _colour(r: int) -> Any:
+    return plt.get_cmap("tab10")(r % 10)
+
+
+def token_flow(expert: Any, slot: Any, ranks: int, n_experts: int, title: str = "") -> Any:
+    """Tokens (left, grouped by the rank that holds them) to experts (right, grouped by the rank that holds
+    them): a solid line per kept (token, choice), thicker for the first choice; a dotted grey one per dropped
+    assignment. `expert`, `slot`: (T, k) from `route` on all ranks' tokens, rank r's tokens the r-th block."""
+    expert, slot = np.asarray(expert), np.asarray(slot)
+    t, k = expert.shape
+    per_rank, per_e = t // ranks, n_experts // ranks
+    fig, ax = plt.subplots(figsize=(7, 0.22 * max(t, 2 * n_experts) + 1.2))
+    ty = np.linspace(1, 0, t)
+    ey = np.linspace(0.95, 0.05, n_experts)
+    crossing = 0
+    for i in range(t):
+        for c in range(k):
+            e = int(expert[i, c])
+            remote = e // per_e != i // per_rank
+            if slot[i, c] < 0:
+                ax.plot([0, 1], [ty[i], ey[e]], ls=":", color="0.6", lw=0.8)
+                continue
+            crossing += remote
+            ax.plot([0, 1], [ty[i], ey[e]], color=_colour(i // per_rank), lw=1.8 if c == 0 else 0.8,
+                    alpha=0.9 if remote else 0.45)
+    for i in range(t):
+        ax.scatter(0, ty[i], s=30, color=_colour(i // per_rank), zorder=3)
+    for e in range(n_experts):
+        ax.scatter(1, ey[e], s=140, marker="s", color=_colour(e // per_e), zorder=3)
+        ax.text(1.04, ey[e], f"expert {e} (rank {e // per_e})", va="center", fontsize=8)
+    for r in range(ranks):
+        ax.text(-0.04, ty[r * per_rank: (r + 1) * per_rank].mean(), f"rank {r}'s\ntokens", ha="right",
+                va="center", fontsize=8, color=_colour(r))
+    kept = int((slot >= 0).sum())
+    ax.set_title(title or f"{t} tokens, top-{k}: {kept} kept assignments, {crossing} of them cross to another "
+                 f"rank; {t * k - kept} dropped (dotted)", fontsize=9)
+    ax.set_xlim(-0.35, 1.45)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def splits(m: Sequence[Sequence[int]], row_bytes: int | None = None) -> Any:
+    """The all-to-all as a matrix (left: M[i][j], the rows rank i sends to rank j; the diagonal stays home)
+    and per rank (right): rank i's input splits are its row, its output splits its column."""
+    m = np.asarray(m)
+    n = len(m)
+    fig, axes = plt.subplots(1, 2, figsize=(8.5, 3.2), gridspec_kw={"width_ratios": [1, 1.4]})
+    ax = axes[0]
+    ax.imshow(m, cmap="Blues", vmin=0)
+    for (i, j), c in np.ndenumerate(m):
+        ax.text(j, i, str(c), ha="center", va="center", fontsize=9,
+                color="white" if c > m.max() / 2 else "black", fontweight="bold" if i == j else None)
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n))
+    ax.set_xlabel("to rank j (output_split_sizes on j)", fontsize=8)
+    ax.set_ylabel("from rank i (input_split_sizes on i)", fontsize=8)
+    ax.set_title("rows sent i -> j", fontsize=9)
+    ax = axes[1]
+    width = 0.38
+    for i in range(n):
+        left_s = left_r = 0
+        for j in range(n):
+            hatch = "//" if i == j else None
+            ax.barh(i - width / 2, m[i, j], width, left=left_s, color=_colour(j), hatch=hatch, ec="white")
+            ax.barh(i + width / 2, m[j, i], width, left=left_r, color=_colour(j), hatch=hatch, ec="white",
+                    alpha=0.55)
+            left_s += m[i, j]
+            left_r += m[j, i]
+        sent = m[i].sum() - m[i, i]
+        extra = f" = {sent * row_bytes} B" if row_bytes else ""
+        ax.text(max(left_s, left_r) + 0.5, i, f"sends {sent} rows{extra}", va="center", fontsize=8)
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"rank {i}" for i in range(n)], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("rows (upper bar: what the rank sends, by destination; lower: what it receives, by source; "
+                  "hatched: its own)", fontsize=7)
+    ax.set_xlim(0, m.sum(1).max() * 1.6 + 1)
+    ax.set_title("uneven splits per rank", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def load_over_steps(runs: dict[str, np.ndarray], ranks: int) -> Any:
+    """For each run (name -> tokens per expert, shape (steps, E), summed over the ranks' routing): the
+    tokens each expert got at every step (left) and the busiest rank's share against a perfect split
+    (right: max over ranks / mean over ranks of the tokens its experts received)."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for name, counts in runs.items():
+        counts = np.asarray(counts, dtype=float)
+        steps, e = counts.shape
+        per_rank = counts.reshape(steps, ranks, e // ranks).sum(2)
+        ratio = per_rank.max(1) / per_rank.mean(1)
+        axes[0].plot(counts.max(1) / counts.mean(1), label=f"{name}: busiest expert / mean")
+        axes[1].plot(ratio, label=f"{name}: {ratio[-1]:.2f} at the end")
+    axes[0].axhline(1, color="0.5", lw=0.8)
+    axes[1].axhline(1, color="0.5", lw=0.8)
+    axes[0].set_title("tokens of the busiest expert / the mean", fontsize=9)
+    axes[1].set_title(f"busiest rank (ep = {ranks}) / the mean: the step waits for it", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("training step", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
