@@ -11,7 +11,12 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from distlab.grading import sandbox
+from distlab.grading.cli import sandbox_for
+
+BWRAP = sandbox.bwrap_path() is not None and (sandbox.works(True) or sandbox.works(False))
 
 # a parent and two children, each touching `mib` MiB of its own memory, then lingering
 TREE = textwrap.dedent('''
@@ -56,3 +61,32 @@ def test_a_submission_under_the_limit_runs_to_its_end_and_reports_its_peak(no_or
     code, out = _run(mib=50, limit_mib=2048, linger_s=2)
     assert code == 0 and out.failure == "", (code, out.failure)
     assert 100 << 20 < out.peak_bytes < 2048 << 20, out.peak_bytes
+
+
+# files in the sandbox's RAM-backed /tmp and /dev/shm, 40 MiB each (under the per-file size limit), then lingering
+TMPFS = textwrap.dedent('''
+    import sys, time
+    for k in range(int(sys.argv[1])):
+        with open(f"/dev/shm/f{k}" if k % 2 else f"/tmp/f{k}", "wb") as f:
+            f.write(bytes(40 << 20))
+    print("written", flush=True)
+    time.sleep(30)
+''')
+
+
+@pytest.mark.skipif(not BWRAP, reason="bubblewrap is not usable here")
+def test_files_in_the_sandbox_s_tmp_and_dev_shm_count_against_the_memory_limit(no_orphans):
+    """Issue 38: a submission held 3.8 GiB of host memory in its tmpfs under --max-memory 1. The tmpfs are sized
+    to the limit and what they hold counts with the processes' memory."""
+    limit = 200 << 20
+    cmd = sandbox.sized(sandbox_for(False, lambda text: None), limit)
+    assert cmd.count(str(limit)) == 2 and str(sandbox.TMP_BYTES) not in cmd
+    proc = subprocess.Popen(cmd + ["--", sys.executable, "-I", "-c", TMPFS, "6"], stdout=subprocess.PIPE, text=True)
+    try:
+        out = sandbox.Outcome()
+        code = sandbox._wait(proc, 60, threading.Event(), limit, out, tmpfs=True)
+    finally:
+        sandbox.procs.kill_tree([proc.pid])
+        proc.wait()
+    assert code is None and "its /tmp and /dev/shm together held" in out.failure, (code, out.failure)
+    assert out.peak_bytes > 200 << 20, out.peak_bytes

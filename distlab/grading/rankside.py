@@ -180,6 +180,7 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
     case = task.cases()[case_index]
     region = _region_methods()
     shortcut_codes, shortcut_modules = shortcuts.watch(lab)
+    shortcuts.hide(lab)
     audithook.install(stream_paths[dist.get_rank()], {
         "distlab.pg.op": pgmeter.MeteredGroup._op.__code__,
         "distlab.pg.create": pgmeter.create.__code__,

@@ -53,7 +53,7 @@ from distlab.grading.channel import new_key, read_records
 MAX_FILE_BYTES = 64 << 20           # RLIMIT_FSIZE for everything in the sandbox (ranks' output floods)
 MAX_RESULT_BYTES = 256 << 20        # all records of one submission: past it the runner is stopped at once
 UID_BASE = 61000                    # run as root: the runner of concurrent submission k becomes UID_BASE + k
-TMP_BYTES = 2 << 30                 # the sandbox's private /tmp and /dev/shm
+TMP_BYTES = 2 << 30                 # the sandbox's private /tmp and /dev/shm (each), before `sized` sets them
 TOKEN_VAR = "DISTLAB_GRADE_TOKEN"   # marks processes to stop when running without a sandbox
 # Passed into the sandbox: every DISTLAB_* setting (a task's cases may depend on one, and the grader computed
 # the references with the same ones), and these.
@@ -84,6 +84,7 @@ class Limits:
     procs: int = 512                 # processes + threads of its uid (a fork or thread bomb stops here)
     memory_bytes: int = 6 << 30      # RLIMIT_DATA of each process (heap and anonymous mappings: tensors), and
                                      # the private resident memory of all its processes together (`_tree_bytes`)
+                                     # with what its /tmp and /dev/shm hold (each tmpfs sized to it: `sized`)
     cpu_s: float = 0.0               # RLIMIT_CPU of each process; 0: the submission cap
 
     def job(self, cap_s: float) -> dict:
@@ -157,6 +158,47 @@ def argv(user_ns: bool = True) -> list[str]:
     for key, value in _env("/tmp").items():
         cmd += ["--setenv", key, value]
     return cmd
+
+
+def sized(cmd: list[str], memory_bytes: int) -> list[str]:
+    """The bwrap argv with its tmpfs (/tmp, /dev/shm) sized to the submission's memory limit: files there
+    are memory, and what they hold counts against that limit (`_wait`), so neither can hold more."""
+    out = list(cmd)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--size" and memory_bytes:
+            out[i + 1] = str(max(16 << 20, int(memory_bytes)))
+    return out
+
+
+def hidden(lab: str, folder: str) -> list[str]:
+    """bwrap arguments that hide the package's answers to `lab` (`shortcuts.HIDDEN`): each module's source is bound over
+    by a copy whose answer functions raise (written to `folder`), and its compiled copies by empty files.
+    Reading the file, importing or reloading the module inside the sandbox finds no answer."""
+    import ast
+    import importlib.util
+
+    from distlab.grading.shortcuts import HIDDEN
+    out: list[str] = []
+    for module, names in HIDDEN.get(lab, ()):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin:
+            continue
+        source = Path(spec.origin).read_text()
+        tree = ast.parse(source)
+        lines = source.splitlines(keepends=True)
+        for node in sorted((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names),
+                           key=lambda n: -n.lineno):
+            body = node.body[0].end_lineno if ast.get_docstring(node) else node.lineno
+            indent = " " * (node.body[0].col_offset)
+            lines[body:node.end_lineno] = [f"{indent}raise NotImplementedError('hidden while grading: "
+                                           f"this lab asks you to write it')\n"]
+        copy = Path(folder) / f"{module}.py"
+        copy.write_text("".join(lines))
+        out += ["--ro-bind", str(copy), os.path.realpath(spec.origin)]
+        for cached in glob.glob(os.path.join(os.path.dirname(spec.origin), "__pycache__",
+                                             Path(spec.origin).stem + ".*")):
+            out += ["--ro-bind", "/dev/null", os.path.realpath(cached)]
+    return out
 
 
 def gpu_nodes() -> list[str]:
@@ -249,7 +291,9 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
         if "--cap-add" in sandbox:      # bwrap run as root (see argv): the runner drops to its own uid
             cmd += ["--uid", str(UID_BASE + slot)]
         job = {**job, **limits.job(cap_s)}
-        cmd, cwd, env = sandbox + ["--"] + cmd, "/", None
+        workdir = tempfile.mkdtemp(prefix="distlab-hidden-")
+        cmd = sized(sandbox, limits.memory_bytes) + hidden(job.get("lab", ""), workdir) + ["--"] + cmd
+        cwd, env = "/", None
     else:
         workdir = tempfile.mkdtemp(prefix="distlab-grade-")
         cwd, env = workdir, _env(workdir) | {TOKEN_VAR: uuid.uuid4().hex}
@@ -271,7 +315,7 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
         feeder = threading.Thread(target=_feed, args=(proc, json.dumps(job).encode()), daemon=True)
         feeder.start()      # a thread: the runner reads its job only after importing torch
         try:
-            code = _wait(proc, cap_s, overflow, limits.memory_bytes, out)
+            code = _wait(proc, cap_s, overflow, limits.memory_bytes, out, tmpfs=sandbox is not None)
             if out.failure:
                 code = None
             elif overflow.is_set():
@@ -301,9 +345,10 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
 
 
 def _wait(proc: subprocess.Popen, cap_s: float, overflow: threading.Event, memory_bytes: int = 0,
-          out: Outcome | None = None) -> int | None:
+          out: Outcome | None = None, tmpfs: bool = False) -> int | None:
     """The runner's exit code; None when it ran past `cap_s`, its results overflowed, or its processes together
-    held more than `memory_bytes` (then `out.failure` says so); the caller stops it."""
+    (with its sandbox's /tmp and /dev/shm when `tmpfs`) held more than `memory_bytes` (then `out.failure` says
+    so); the caller stops it."""
     deadline, sample = time.monotonic() + cap_s, 0
     while True:
         try:
@@ -313,26 +358,28 @@ def _wait(proc: subprocess.Popen, cap_s: float, overflow: threading.Event, memor
                 return None
         sample += 1
         if memory_bytes and out is not None and sample % 2 == 0:
-            held = _tree_bytes(proc.pid)
+            held = _tree_bytes(proc.pid, tmpfs)
             out.peak_bytes = max(out.peak_bytes, held)
             if held > memory_bytes:
-                out.failure = (f"its processes together held {held / (1 << 30):.1f} GiB, past the submission's "
-                               f"memory limit ({memory_bytes / (1 << 30):g} GiB, --max-memory): stopped, not graded")
+                out.failure = (f"its processes{' and its /tmp and /dev/shm' if tmpfs else ''} together held "
+                               f"{held / (1 << 30):.2f} GiB, past the submission's memory limit "
+                               f"({memory_bytes / (1 << 30):g} GiB, --max-memory): stopped, not graded")
                 return None
 
 
-def _tree_bytes(pid: int) -> int:
+def _tree_bytes(pid: int, tmpfs: bool = False) -> int:
     """Private resident memory of `pid` and every process below it: each one's resident set less its
     file-backed and shared pages (/proc/PID/statm; cheap enough to sample twice a second). Pages a rank
     still shares copy-on-write with the fork server count in each: an overcount of at most the fork
-    server's own heap per rank, never an undercount."""
+    server's own heap per rank, never an undercount. With `tmpfs`, plus what the sandbox's /tmp and
+    /dev/shm hold (RAM-backed files, read through a process inside it: /proc/PID/root)."""
     import psutil
     try:
         root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
     except psutil.Error:
         return 0
-    total = 0
+    total = _tmpfs_bytes([p.pid for p in tree[1:]]) if tmpfs else 0
     for p in tree:
         try:
             m = p.memory_info()
@@ -340,6 +387,22 @@ def _tree_bytes(pid: int) -> int:
         except psutil.Error:
             pass
     return total
+
+
+def _tmpfs_bytes(pids: list[int]) -> int:
+    """Bytes held in /tmp and /dev/shm as the first of `pids` whose root is not this machine's sees them."""
+    host = os.stat("/")
+    for pid in pids:
+        base = f"/proc/{pid}/root"
+        try:
+            st = os.stat(base)
+            if (st.st_dev, st.st_ino) == (host.st_dev, host.st_ino):
+                continue
+            return sum((v.f_blocks - v.f_bfree) * v.f_frsize for v in (os.statvfs(base + "/tmp"),
+                                                                       os.statvfs(base + "/dev/shm")))
+        except OSError:
+            continue
+    return 0
 
 
 def _feed(proc: subprocess.Popen, data: bytes) -> None:

@@ -47,6 +47,24 @@ SHORTCUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
 # 01's rings are point-to-point, so values computed through a library collective outside the metered call are
 # as much a shortcut as inside it.
 ONLY_OPS: dict[str, frozenset[str]] = {"01_collectives": frozenset({"send", "recv"})}
+# The package's own answers to a lab: (module, its functions that are the answers). Lab 08's schedule tables are
+# `simulate`'s order functions (the grader judges with `simulate` itself, outside the ranks). Inside the sandbox the
+# module's file is replaced by a copy whose answers raise (`sandbox.hidden`, enforced); on the rank they are also
+# replaced before learner code (`hide`; without a sandbox only that, and the file stays readable).
+HIDDEN: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "08_pipeline": (("distlab.course.pipeline.simulate", ("interleaved_order", "zero_bubble_order")),)}
+
+
+def _hidden_answer(*args: object, **kwargs: object) -> None:
+    raise NotImplementedError("hidden while grading: this lab asks you to write it")
+
+
+def hide(lab: str) -> None:
+    """Replace the package's answers to `lab` (`HIDDEN`) in this process, before learner code."""
+    for module_name, names in HIDDEN.get(lab, ()):
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, _hidden_answer)
 
 
 def other_ops(lab: str, op_calls: dict[str, int]) -> list[str]:
