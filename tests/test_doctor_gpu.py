@@ -49,3 +49,46 @@ def test_a_timeout_ends_pytest_and_everything_it_started(tmp_path):
     child = int(pidfile.read_text())
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     assert (tmp_path / "out.log").exists()
+
+
+def test_smoke_dry_run_lists_every_step_and_runs_the_cpu_stand_ins(capsys, no_orphans):
+    """`distlab doctor --gpu --smoke --dry-run` on this CPU box (issue 39): every step listed with what it
+    would run on GPUs; the kernel check, the launcher's job on gloo, the hang on the strict backend and the
+    GPU tests' import run here and pass."""
+    from distlab.apps.doctor.smoke import smoke
+    assert smoke(dry_run=True, gpus=0) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("[")]
+    assert [line.split()[1] for line in steps] == ["PASS"] * 5 + ["LIST"] * 2
+    text = "\n".join(steps)
+    for what in ("backend='nccl'", "CUDA context in the kernel: none", "LaunchStalled after",
+                 "naming the op and its line: _hang_job", "pytest -m gpu tests/test_gpu.py",
+                 "tests import and are marked gpu", "--backend nccl --only reduce_scatter --first-case",
+                 "notebooks/00_launching.ipynb notebooks/05_zero3.ipynb notebooks/08_pipeline_3d.ipynb"):
+        assert what in text, what
+    assert lines[-1].startswith("summary: 5 passed, 0 failed, 0 skipped, 2 listed only in ")
+    assert lines[-1].endswith("(nothing ran on a GPU)")
+
+
+def test_smoke_on_gpus_skips_what_the_box_cannot_run_and_keeps_to_its_budget(monkeypatch, capsys, tmp_path):
+    """The order, the 2-GPU steps on a 1-GPU box, a failing step, and the budget (steps faked)."""
+    import time as time_
+
+    from distlab.apps.doctor import smoke as smoke_mod
+    ran = []
+
+    def step(name, gpus, ok=True, sleep=0.0):
+        def run(ctx, seconds):
+            ran.append((name, round(seconds)))
+            time_.sleep(sleep)
+            return ok, f"{name} done"
+        return smoke_mod.Step(name, f"run {name}", run, cap_s=100, gpus=gpus)
+    monkeypatch.setattr(smoke_mod, "steps", lambda n: [step("a", 1), step("b", 2), step("c", 1, ok=False),
+                                                        step("d", 1, sleep=0.2), step("e", 1)])
+    monkeypatch.setattr(smoke_mod, "_start_kernel", lambda ctx: None)
+    assert smoke_mod.smoke(gpus=1, budget_s=10.15, out=tmp_path) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in out if line.startswith("[")] == ["PASS", "SKIP", "FAIL", "PASS", "SKIP"]
+    assert "needs 2 GPUs, 1 here" in out[2] and "out of time (--budget)" in out[5]
+    assert [name for name, _ in ran] == ["a", "c", "d"] and ran[0][1] == 10
+    assert out[-1].startswith("summary: 2 passed, 1 failed, 2 skipped in ")
