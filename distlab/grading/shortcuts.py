@@ -42,6 +42,8 @@ SHORTCUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "06_fsdp": (),
     "07_tensor_parallel": TP,
     "08_pipeline": PP,
+    "09_training": (),
+    "10_moe": (),
 }
 # The collectives a lab's answers may run at all, in any call of the check (not only in its metered call): lab
 # 01's rings are point-to-point, so values computed through a library collective outside the metered call are
