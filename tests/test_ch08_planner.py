@@ -50,7 +50,7 @@ def test_mfu_is_an_output_of_each_plan_not_a_constant():
     plans = pl.candidates(spec, work, cluster)
     for p in plans[:20]:
         assert 0 < p.mfu <= cluster.mfu + 1e-12
-        assert p.mfu == pytest.approx(6 * spec.num_params * work.global_batch * work.seq_len
+        assert p.mfu == pytest.approx(spec.flops_per_token(work.seq_len) * work.global_batch * work.seq_len
                                       / (p.layout.gpus * cluster.gpu.bf16_TFLOPs * 1e12 * p.step_s))
     assert len({round(p.mfu, 4) for p in plans}) > 3
     assert "MFU (est.)" in pl.markdown(plans[:3], cluster)

@@ -50,9 +50,12 @@ def test_model_states_follow_the_3d_formulas_for_a_balanced_model():
 def test_traffic_per_group():
     spec = ModelSpec(4, 32, 2, vocab_size=128, max_seq=16)
     L = Layout(dp=2, tp=2, pp=2, zero=1, micro_batch=2, m=4)
-    p = plan(spec, L, Workload(16, 16), act_bytes=4, vocab_parallel=False)
+    p = plan(spec, L, Workload(16, 16), act_bytes=4, vocab_parallel=False, sequence_parallel=False)
     act = 2 * 16 * 32 * 4
     assert p.traffic["pp"] == [4 * act, 4 * act]
+    # with sequence parallelism each tp rank sends its 1/tp of the activation (Megatron's scatter/gather)
+    sp = plan(spec, L, Workload(16, 16), act_bytes=4, vocab_parallel=False)
+    assert sp.traffic["pp"] == [2 * act, 2 * act] and sp.traffic["tp"] == p.traffic["tp"]
     assert p.traffic["tp"] == [4 * 2 * 4 * act * 2 * (1 / 2)] * 2      # 4 all-reduces per block, 2 blocks, m = 4
     assert p.traffic["dp"][0] == pytest.approx(2 * p.params_local[0] * 2 / 2)
     assert p.traffic["cp"] == [0.0, 0.0]
@@ -63,7 +66,7 @@ def test_links_follow_the_node():
     spec = ModelSpec(32, 1024, 16, vocab_size=1000, max_seq=0)
     p = plan(spec, Layout(dp=4, tp=8, pp=2, m=8), Workload(1024, 32), Cluster(64))
     assert p.links == {"tp": "nvlink", "cp": "nvlink", "dp": "ib", "pp": "ib"}
-    p = plan(spec, Layout(dp=2, tp=4, pp=2, m=8), Workload(1024, 16), Cluster(16))
+    p = plan(spec, Layout(dp=2, tp=4, pp=2, m=8), Workload(1024, 16), Cluster(16), sequence_parallel=False)
     assert p.links["tp"] == "nvlink" and p.links["dp"] == "nvlink" and p.links["pp"] == "ib"
     assert p.link_bytes()["ib"] == max(p.traffic["pp"])
 

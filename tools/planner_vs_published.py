@@ -48,8 +48,13 @@ class Run:
     mfu: float = 0.0                 # published MFU, where the paper gives it
     nic_GBps: float | None = None    # per GPU, per direction, from the cluster's NICs
     notes: str = ""
+    extra: dict = field(default_factory=dict)   # shape fields the planner before issue 40 could not express
+    software: dict = field(default_factory=dict)   # what the run's framework lacked (plan options)
 
 
+# 2021-22 software: no FlashAttention (2022) and no sequence parallelism (Korthikanti et al. 2022) yet; the
+# planner is asked with the same software, so its alternatives are ones that run could have chosen.
+OLD = dict(flash_attention=False, sequence_parallel=False)
 GPT3_175B = dict(n_layers=96, d_model=12288, n_heads=96, vocab_size=51_200, max_seq=2048)
 GPT_530B = dict(n_layers=105, d_model=20480, n_heads=128, vocab_size=51_200, max_seq=2048)
 RUNS = [
@@ -57,18 +62,20 @@ RUNS = [
     # SC'21 (arXiv:2104.04473), Table 2 (PTD-P rows): 175B on 1536 A100 80GB (Selene: 8 x 200 Gb/s HDR per
     # node), tensor 8 x pipeline 12, batch 1536 of 2048 tokens, 141 TFLOP/s per GPU; full recomputation.
     Run("Megatron-LM 175B", "Narayanan et al. 2021, Table 2", A100, 1536, GPT3_175B, 2048, 1536,
-        dict(dp=16, tp=8, pp=12, cp=1, zero=1, micro_batch=1, recompute="full"), tflops=141,
-        nic_GBps=8 * 200 / 8 / 8, notes="schedule (v) not in the table: the planner's best v"),
+        dict(dp=16, tp=8, pp=12, cp=1, zero=0, micro_batch=1, recompute="full"), tflops=141,
+        nic_GBps=8 * 200 / 8 / 8, software=OLD,
+        notes="no distributed optimizer in Megatron-LM 2021 (ZeRO-0); schedule (v) not in the table: the planner's best v"),
     # Same table: 530B (105 layers, h 20480, 128 heads) on 2240 GPUs, tensor 8 x pipeline 35, batch 2240, 159 TFLOP/s.
     Run("Megatron-LM 530B", "Narayanan et al. 2021, Table 2", A100, 2240, GPT_530B, 2048, 2240,
-        dict(dp=8, tp=8, pp=35, cp=1, zero=1, micro_batch=1, recompute="full"), tflops=159,
-        nic_GBps=8 * 200 / 8 / 8, notes="schedule (v) not in the table: the planner's best v"),
+        dict(dp=8, tp=8, pp=35, cp=1, zero=0, micro_batch=1, recompute="full"), tflops=159,
+        nic_GBps=8 * 200 / 8 / 8, software=OLD,
+        notes="no distributed optimizer in Megatron-LM 2021 (ZeRO-0); schedule (v) not in the table: the planner's best v"),
     # Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990),
     # sections 2.4 and 3: 420 DGX A100 (3360 GPUs), tensor 8 x pipeline 35 x data 12, batch 1920 of 2048
-    # tokens, 44.4 s per iteration = 113 TFLOP/s per GPU; DeepSpeed's pipeline engine (1F1B) and ZeRO-1.
+    # tokens, 44.4 s per iteration = 113 TFLOP/s per GPU; DeepSpeed's pipeline engine (1F1B).
     Run("MT-NLG 530B", "Smith et al. 2022, sec. 2.4", A100, 3360, dict(GPT_530B, vocab_size=50_272), 2048, 1920,
-        dict(dp=12, tp=8, pp=35, cp=1, zero=1, recompute="full", v=1), tflops=113, nic_GBps=8 * 200 / 8 / 8,
-        notes="micro-batch not stated: the planner's best"),
+        dict(dp=12, tp=8, pp=35, cp=1, recompute="full", v=1), tflops=113, nic_GBps=8 * 200 / 8 / 8,
+        software=OLD, notes="micro-batch and ZeRO stage not stated: the planner's best"),
     # Le Scao et al. 2022, "BLOOM" (arXiv:2211.05100), section 3.4 and Bekman, "The Technology Behind BLOOM
     # Training" (Hugging Face blog, 2022): 48 nodes of 8 A100 80GB on Jean Zay, 4 x 100 Gb/s Omni-Path per node;
     # 70 layers, h 14336, 112 heads, vocabulary 250880 (padded), ALiBi; tp 4 x pp 12 x dp 8, micro-batch 2,
@@ -76,7 +83,8 @@ RUNS = [
     Run("BLOOM 176B", "Le Scao et al. 2022, sec. 3.4", A100, 384,
         dict(n_layers=70, d_model=14336, n_heads=112, vocab_size=250_880, max_seq=0), 2048, 2048,
         dict(dp=8, tp=4, pp=12, cp=1, zero=1, micro_batch=2, recompute="full", v=1), tflops=150,
-        nic_GBps=4 * 100 / 8 / 8, notes="recomputation assumed full (Megatron-DeepSpeed's checkpoint-activations)"),
+        nic_GBps=4 * 100 / 8 / 8, notes="recomputation assumed full (Megatron-DeepSpeed's checkpoint-activations)",
+        extra=dict(tied=True), software=OLD),
 ]
 # Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4 (scaling configurations) and
 # section 3.3: H100 80GB at 700 W, 8 x 400 Gb/s RoCE per node; tp 8, pp 16, cp as listed, 16M tokens per
@@ -88,7 +96,7 @@ for gpus, dp, cp, seq, per_dp, mfu in ((8192, 64, 1, 8192, 32, 0.43), (16384, 12
                                        (16384, 8, 16, 131_072, 16, 0.38)):
     RUNS.append(Run(f"Llama 3 405B, {gpus} GPUs, {seq // 1024}k", "Dubey et al. 2024, Table 4", H100, gpus,
                     LLAMA, seq, dp * per_dp, dict(dp=dp, tp=8, pp=16, cp=cp, micro_batch=1), mfu=mfu,
-                    nic_GBps=8 * 400 / 8 / 8,
+                    nic_GBps=8 * 400 / 8 / 8, extra=LLAMA_EXTRA,
                     notes="micro-batch 1 assumed; ZeRO stage, recomputation and v not stated: the planner's best"))
 
 
@@ -102,8 +110,7 @@ def published_mfu(run: Run) -> float:
 
 
 def spec_of(run: Run) -> Any:
-    extra = LLAMA_EXTRA if run.shape is LLAMA and NEW_API else {}
-    return pl.ModelSpec(**run.shape, name=run.name, **extra)
+    return pl.ModelSpec(**run.shape, name=run.name, **(run.extra if NEW_API else {}))
 
 
 def cluster_of(run: Run) -> Any:
@@ -123,7 +130,7 @@ def _matches(layout: Any, stated: dict) -> bool:
         got = getattr(layout, k, 1 if k == "v" else None)
         if k == "recompute" and not NEW_API:
             want = want == "full"
-        if k == "v" and not NEW_API:
+        if (k == "v" and not NEW_API) or (k == "zero" and want == 0 and not NEW_API):
             continue
         if got != want:
             return False
@@ -134,35 +141,53 @@ def compare(run: Run) -> dict:
     spec, work, cluster = spec_of(run), pl.Workload(run.seq_len, run.global_batch), cluster_of(run)
     mbs = tuple(sorted({1, 2, 4, run.layout.get("micro_batch", 1)}))
     cps = tuple(sorted({1, 2, 4, run.layout.get("cp", 1)}))
-    plans = pl.candidates(spec, work, cluster, micro_batches=mbs, cp_sizes=cps)
+    options = dict(run.software, zero_stages=(0, 1, 2, 3)) if NEW_API else {}
+    plans = pl.candidates(spec, work, cluster, micro_batches=mbs, cp_sizes=cps, **options)
     same = [p for p in plans if _matches(p.layout, run.layout)]
     if not same:
         raise SystemExit(f"{run.name}: the planner offers no layout with {run.layout}")
     pub = same[0]
     rank = plans.index(pub) + 1
+    mesh = {k: run.layout[k] for k in ("dp", "tp", "pp", "cp")}
+    mesh_rank = next(i for i, p in enumerate(plans, 1) if _matches(p.layout, mesh))
     best = plans[0]
-    return dict(run=run, spec=spec, plans=plans, pub=pub, best=best, rank=rank,
-                ratio=pub.step_s / best.step_s, mfu=pub.mfu, pub_mfu=published_mfu(run))
+    eff = cluster.efficiency if NEW_API else cluster.mfu
+    return dict(run=run, spec=spec, plans=plans, pub=pub, best=best, rank=rank, mesh_rank=mesh_rank,
+                ratio=pub.step_s / best.step_s, mfu=pub.mfu, pub_mfu=published_mfu(run),
+                implied=eff * published_mfu(run) / pub.mfu)
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| run | params | GPUs | published layout (as the planner fills it) | fits | rank | "
-           "est. step / best's | MFU est. / published | planner's best |",
-           "|---|---:|---:|---|:-:|---:|---:|---:|---|"]
+    out = ["| run | params | GPUs | published layout (as the planner fills it) | fits | rank | mesh rank | "
+           "est. step / best's | MFU est. / published | kernel eff. implied | planner's best |",
+           "|---|---:|---:|---|:-:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         out.append(f"| {r['run'].name} | {r['spec'].num_params / 1e9:.0f}B | {r['run'].gpus} | {r['pub'].layout} | "
-                   f"{'yes' if r['pub'].fits else 'no'} | {r['rank']} of {len(r['plans'])} | {r['ratio']:.2f} | "
-                   f"{r['mfu']:.2f} / {r['pub_mfu']:.2f} = {r['mfu'] / r['pub_mfu']:.2f} | {r['best'].layout} |")
+                   f"{'yes' if r['pub'].fits else 'no'} | {r['rank']} of {len(r['plans'])} | {r['mesh_rank']} | "
+                   f"{r['ratio']:.2f} | {r['mfu']:.2f} / {r['pub_mfu']:.2f} = {r['mfu'] / r['pub_mfu']:.2f} | "
+                   f"{r['implied']:.2f} | {r['best'].layout} |")
+    out.append("")
+    out.append("rank: the published layout (fields the paper leaves open filled with the planner's best) among the "
+               "planner's candidates; mesh rank: the best candidate with the published dp, tp, pp, cp. kernel eff. "
+               "implied: the kernels' efficiency at which the planner's MFU for the published layout would equal the "
+               "published MFU (the planner's own: " + ("the GPU's measured matmul ceiling)." if NEW_API else "0.4)."))
     return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sources", action="store_true", help="print each run's source and notes")
+    parser.add_argument("--terms", action="store_true", help="print the step's terms, published vs best")
     args = parser.parse_args()
     rows = [compare(run) for run in RUNS]
     print(f"planner API: {'issue 40' if NEW_API else 'before issue 40 (legacy path)'}")
     print(table(rows))
+    if args.terms and NEW_API:
+        for r in rows:
+            for who in ("pub", "best"):
+                t = r[who].times
+                print(f"{r['run'].name:32s} {who:4s} {r[who].step_s:8.2f} s: " + " ".join(f"{k} {x:.2f}" for k, x in t.items())
+                      + f"  mem {r[who].memory_bytes / 1e9:.0f} GB")
     if args.sources:
         for r in rows:
             print(f"- {r['run'].name}: {r['run'].source}. {r['run'].notes}")

@@ -1,5 +1,5 @@
 """Closed forms the course draws beside its measurements. Pure functions, no ranks.
-This module: bytes per parameter, ZeRO memory per stage, traffic, busbw; hardware, overlap, tensor_parallel, pipeline.
+This module: bytes per parameter, ZeRO memory per stage, traffic, busbw; hardware, overlap, tensor_parallel, pipeline, planning (the layout planner's shapes, FLOPs, latencies).
 May import: engine only (it needs nothing). Names: Ψ = `num_params`, N = `world_size` (the data-parallel degree),
 K = bytes of optimizer state per parameter.
 """

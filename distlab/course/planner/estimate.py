@@ -1,0 +1,208 @@
+"""One layout's predictions: parameters, model states, activations and buffers per stage, bytes per group and
+link, and the step time, term by term (each term's closed form lives in `distlab.theory`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from distlab.course.planner.layout import Cluster, Layout, Plan, Workload
+from distlab.course.planner.shapes import ModelSpec
+from distlab.theory import planning as pt
+from distlab.theory.pipeline import activations_in_flight, bubble_fraction, dp_bytes
+
+# The course's one mesh order, innermost first: a group stays in a node when its span fits. An expert-
+# parallel axis would go in here between cp and dp (experts are carved out of the data-parallel ranks).
+AXES = ("tp", "cp", "dp", "pp")
+BUCKET_BYTES = 25 * 2**20       # gradient bucket of ZeRO-0..2 (PyTorch DDP's bucket_cap_mb default)
+
+
+def _stage_layers(spec: ModelSpec, pp: int) -> list[int]:
+    from distlab.course.pipeline.stages import stage_layers
+    return [b - a for a, b in stage_layers(spec.n_layers, pp)]
+
+
+def block_params(spec: ModelSpec, tp: int) -> int:
+    """One block's parameters on one tp rank. Column-parallel q, k, v and up (and gate): weights and biases
+    split; row-parallel o and down: weights split, biases replicated; norms replicated. K and V are split
+    when tp divides the key/value heads and replicated otherwise."""
+    d, kv, f = spec.d_model, spec.kv_dim, spec.ffn_dim
+    up = (2 if spec.gated else 1) * f
+    kv_split = spec.kv_heads % tp == 0
+    split = 2 * d * d + up * d + f * d + (2 * d * kv if kv_split else 0)
+    if spec.bias:
+        split += d + up + (2 * kv if kv_split else 0)
+    return split // tp + spec.layer_params - split
+
+
+def local_params(spec: ModelSpec, tp: int, pp: int, stage: int, *, vocab_parallel: bool = True) -> int:
+    """Parameters one device of pipeline stage `stage` holds with tensor parallelism `tp`."""
+    d = spec.d_model
+    n = _stage_layers(spec, pp)[stage] * block_params(spec, tp)
+    vocab = spec.vocab_size * d // (tp if vocab_parallel else 1)
+    if stage == 0:
+        n += vocab + spec.max_seq * d
+    if stage == pp - 1:
+        n += (vocab if not spec.tied or pp > 1 else 0) + pt.norm_params(d, spec.norm)
+    return n
+
+
+def _model_states(n: int, dp: int, zero: int, param_bytes: float, grad_bytes: float, k: float) -> float:
+    shard = math.ceil(n / dp)
+    return {0: (param_bytes + grad_bytes + k) * n, 1: (param_bytes + grad_bytes) * n + k * shard,
+            2: param_bytes * n + (grad_bytes + k) * shard, 3: (param_bytes + grad_bytes + k) * shard}[zero]
+
+
+def _groups(layout: Layout, gpus_per_node: int) -> dict[str, tuple[str, int]]:
+    """Each group's link ("nvlink" or "ib") and the nodes it spans, by the mesh order `AXES`."""
+    out, stride = {}, 1
+    for group in AXES:
+        size = getattr(layout, group)
+        nodes = pt.group_nodes(size, stride, gpus_per_node)
+        out[group] = ("nvlink" if nodes == 1 else "ib", nodes)
+        stride *= size
+    return out
+
+
+def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster | None = None, *,
+         param_bytes: float = 2, grad_bytes: float = 2, k: float = 12, act_bytes: float = 2,
+         vocab_parallel: bool = True, flash_attention: bool = True, accum_bytes: float = 4,
+         sequence_parallel: bool = True) -> Plan:
+    """Predictions for one layout (per pipeline stage, for one device of that stage).
+
+    `act_bytes`: bytes per activation element (2 for bf16). `flash_attention`: the attention scores are
+    never stored (FlashAttention), dropping Korthikanti's 5as/h term. `accum_bytes`: bytes per element of
+    the buffer gradients accumulate in over m micro-batches (4: fp32, as Megatron's main gradients; 2
+    accumulates in the 16-bit gradient itself, as the chapter's own ZeRO-1 does). `sequence_parallel`
+    (Korthikanti et al. 2022): activations outside the tp regions are split over tp too, and so is the
+    tensor a stage sends to the next (Megatron's scatter/gather of Narayanan et al. 2021, 4.1): pp bytes
+    / tp. The chapter's own 3-D code has neither: check it with `sequence_parallel=False`.
+
+    Besides model states and block activations, `buffers` holds per stage: "logits" (the last stage's
+    logits in 16 bits, their fp32 upcast and gradient for one micro-batch, and the fp32 softmax saved for
+    each micro-batch in flight), "gathered" (ZeRO-3: the unit in use and the next one prefetched),
+    "fp32 grads" (accumulation beyond the 16-bit gradient). Traffic is algorithmic bytes: each call's
+    size through the ring formula. `times` splits the estimated step into its terms (`step_terms`).
+    """
+    L = layout
+    if L.pp * L.v > spec.n_layers:
+        raise ValueError(f"{L.pp} pipeline stages of {L.v} chunks for {spec.n_layers} layers")
+    if spec.n_heads % L.tp:
+        raise ValueError(f"tp={L.tp} does not divide the {spec.n_heads} heads")
+    stages = range(L.pp)
+    n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel) for r in stages]
+    states = [_model_states(n, L.dp, L.zero, param_bytes, grad_bytes, k) for n in n_local]
+    per_layer = pt.activation_bytes_per_layer(
+        workload.seq_len / L.cp, L.micro_batch, spec.d_model, n_heads=spec.n_heads, kv=spec.kv_dim,
+        ffn=spec.ffn_dim, gated=spec.gated, dropout=spec.dropout, tp=L.tp, flash=flash_attention,
+        recompute=L.recompute, act_bytes=act_bytes, sp=sequence_parallel)
+    layers = _stage_layers(spec, L.pp)
+    in_flight = [activations_in_flight(L.schedule, L.pp, L.m, r, L.v) for r in stages]
+    acts = [in_flight[r] * layers[r] * per_layer for r in stages]
+    elems = L.micro_batch * (workload.seq_len / L.cp) * spec.d_model      # one activation b s h
+    tokens_mb = L.micro_batch * workload.seq_len / L.cp                  # b s of one micro-batch
+    ring = 2 * (L.tp - 1) / L.tp
+    vp = vocab_parallel and L.tp > 1
+
+    def tp_calls(r: int) -> tuple[float, int]:
+        """Bytes of one micro-batch's tp all-reduces on stage r (each call's size), and how many calls."""
+        size, calls = 4 * layers[r] * elems * act_bytes, 4 * layers[r]     # f and g around attention and MLP
+        if vp and r == 0:
+            size, calls = size + elems * act_bytes, calls + 1               # the vocabulary-parallel embedding's g
+        if vp and r == L.pp - 1:
+            size += elems * act_bytes + 3 * tokens_mb * 4                   # the head's f; cross-entropy's 3 (fp32)
+            calls += 4
+        return size, calls
+
+    # Interleaving: a micro-batch crosses every chunk boundary, v per rank and direction (the last chunk of
+    # the last stage sends nothing forward, the first chunk of the first stage nothing back).
+    sends = [(L.v - (r == L.pp - 1)) + (L.v - (r == 0)) if L.pp > 1 else 0 for r in stages]
+    traffic = {
+        "dp": [dp_bytes(n, L.dp * L.cp, L.zero, grad_bytes, L.m) for n in n_local],   # cp shares dp's gradients
+        "tp": [L.m * tp_calls(r)[0] * ring for r in stages],
+        "pp": [L.m * sends[r] * elems * act_bytes / (L.tp if sequence_parallel else 1) for r in stages],
+        # Ring attention passes K and V around the cp ring: forward once, backward twice.
+        # Ring attention passes K and V (b s kv each: a GQA model's are narrower) around the cp ring:
+        # forward once, backward twice; split over tp with the heads.
+        "cp": [L.m * layers[r] * 3 * 2 * elems * spec.kv_dim / spec.d_model * act_bytes * (L.cp - 1)
+               / (L.tp if spec.kv_heads % L.tp == 0 else 1) for r in stages],
+    }
+    vocab_local = spec.vocab_size / (L.tp if vp else 1)
+    last = L.pp - 1
+    logits = [0.0] * L.pp
+    logits[last] = tokens_mb * vocab_local * ((act_bytes + 4 + 4) + 4 * (in_flight[last] - 1))
+    unit = max(block_params(spec, L.tp), spec.vocab_size * spec.d_model // (L.tp if vocab_parallel else 1))
+    gathered = [2 * unit * param_bytes if L.zero == 3 else 0.0 for _ in stages]
+    accum = [(accum_bytes - grad_bytes) * (n if L.zero < 2 else math.ceil(n / L.dp)) if L.m > 1 else 0.0
+             for n in n_local]
+    buffers = {"logits": logits, "gathered": gathered, "fp32 grads": [max(0.0, a) for a in accum]}
+    c = cluster or Cluster(gpus=L.gpus)
+    groups = _groups(L, c.gpu.gpus_per_node)
+    links = {g: link for g, (link, _) in groups.items()}
+    times = step_terms(spec, L, workload, c, traffic, groups, layers, [tp_calls(r)[1] for r in stages], sends,
+                       n_local, param_bytes, grad_bytes)
+    step = sum(times.values())
+    tokens = workload.global_batch * workload.seq_len
+    mfu = tokens * spec.flops_per_token(workload.seq_len) / (L.gpus * c.gpu.bf16_TFLOPs * 1e12 * step)
+    bub = bubble_fraction(L.pp, L.m, L.v) if L.pp > 1 else 0.0
+    p = Plan(L, n_local, states, acts, traffic, links, bub, step, buffers=buffers, mfu=mfu, times=times,
+             cluster=c)
+    return replace(p, fits=p.memory_bytes <= c.usable_bytes)
+
+
+def step_terms(spec: ModelSpec, L: Layout, workload: Workload, c: Cluster, traffic: dict[str, list[float]],
+               groups: dict[str, tuple[str, int]], layers: list[int], tp_calls: list[int], sends: list[int],
+               n_local: list[int], param_bytes: float, grad_bytes: float) -> dict[str, float]:
+    """The estimated step, term by term (seconds; their sum is the step):
+
+    compute   the model's FLOPs and recomputation's, at the kernels' efficiency (`Cluster.efficiency`);
+    tp, cp    their collectives, on the critical path of every micro-batch: bytes over the link plus one
+              latency per call (`theory.planning.collective_s`);
+    bubble    the pipeline's idle share of compute, tp and cp: (p - 1)/v over m + (p - 1)/v;
+    pp        point-to-point messages: bytes plus a latency per message;
+    dp        ZeRO-0..2: the gradient exchange (bytes plus a latency per bucket) beyond what the backward
+              (two thirds of compute) hides; ZeRO-3: what each micro-batch's gathers and reduce-scatters
+              cannot hide (`theory.planning.zero3_exposed_s`), with one unit per block.
+    """
+    peak = c.gpu.bf16_TFLOPs * 1e12 * c.efficiency
+    bw = {"nvlink": c.gpu.nvlink_GBps * 1e9, "ib": c.ib_bytes_per_s}
+    s, tokens = workload.seq_len, workload.global_batch * workload.seq_len
+    blocks = spec.n_layers * spec.layer_matmul_params
+    extra = pt.recompute_flops_per_token(L.recompute, blocks, spec.n_layers, spec.d_model, s)
+    compute = tokens * (spec.flops_per_token(s) + extra) / (L.gpus * peak)
+    lat = c.latency
+
+    def link(g: str) -> tuple[float, int]:
+        kind, nodes = groups[g]
+        return bw[kind], nodes
+
+    def exposed(g: str, calls: list[int], op: str, size: int) -> float:
+        b, nodes = link(g)
+        alpha = pt.collective_s(op, 0.0, size, b, nodes, lat) if size > 1 else 0.0
+        return max(traffic[g][r] / b + L.m * calls[r] * alpha for r in range(L.pp))
+
+    tp = exposed("tp", tp_calls, "all_reduce", L.tp)
+    cp = exposed("cp", [3 * (L.cp - 1) * n for n in layers], "send", L.cp) if L.cp > 1 else 0.0
+    pp = exposed("pp", sends, "send", 2) if L.pp > 1 else 0.0
+    bub = bubble_fraction(L.pp, L.m, L.v) if L.pp > 1 else 0.0
+    busy = compute + tp + cp
+    n_dp = L.dp * L.cp                                   # cp ranks share dp's gradients and gathers
+    b_dp, nodes_dp = link("dp")
+    if L.cp > 1:
+        nodes_dp = pt.group_nodes(n_dp, L.tp, c.gpu.gpus_per_node)
+        b_dp = bw["nvlink" if nodes_dp == 1 else "ib"]
+    if n_dp == 1:
+        dp = 0.0
+    elif L.zero == 3:
+        unit = block_params(spec, L.tp)
+        gather = pt.collective_s("all_gather", unit * param_bytes, n_dp, b_dp, nodes_dp, lat)
+        scatter = pt.collective_s("reduce_scatter", unit * grad_bytes, n_dp, b_dp, nodes_dp, lat)
+        block = compute / (L.m * max(layers))          # one block's share of one micro-batch on this device
+        fwd = block / (4 if L.recompute == "full" else 3)
+        back = block - fwd                              # backward (and the recomputed forward)
+        dp = L.m * max(pt.zero3_exposed_s(n, gather, scatter, fwd, back) for n in layers)
+    else:
+        calls = {0: 1, 1: 2, 2: L.m + 1}[L.zero]
+        buckets = max(math.ceil(n * grad_bytes / BUCKET_BYTES) for n in n_local)
+        alpha = pt.collective_s("reduce_scatter", 0.0, n_dp, b_dp, nodes_dp, lat)
+        dp = max(0.0, max(traffic["dp"]) / b_dp + calls * buckets * alpha - compute * 2 / 3)
+    return {"compute": compute, "bubble": busy * bub / (1 - bub), "tp": tp, "cp": cp, "pp": pp, "dp": dp}
