@@ -30,6 +30,7 @@ LABS = {
     "06_fsdp": "distlab.checks.ch06",
     "07_tensor_parallel": "distlab.checks.ch07",
     "08_pipeline": "distlab.checks.ch08",
+    "09_training": "distlab.checks.ch09",
 }
 
 
