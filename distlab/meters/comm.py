@@ -81,6 +81,12 @@ def _group(args: tuple) -> tuple[int, int]:
     return dist.get_world_size(), dist.get_rank()
 
 
+def _a2a_single_sent(inp: torch.Tensor, in_split: list[int], n: int, me: int) -> int:
+    """`all_to_all_single`: the input's rows but this rank's own split (even splits when none are given)."""
+    row = inp[0].numel() * inp.element_size() if inp.dim() and len(inp) else 0
+    return _nbytes(inp) - (in_split[me] * row if in_split else _nbytes(inp) // n)
+
+
 def _sent_bytes(op: str, kind: str, args: tuple, n: int, me: int) -> int:
     """Bytes this rank sends for one c10d op (S as nccl-tests defines it)."""
     if kind in ("all_reduce", "broadcast", "reduce", "send"):
@@ -93,9 +99,7 @@ def _sent_bytes(op: str, kind: str, args: tuple, n: int, me: int) -> int:
         if op == "alltoall_":
             inputs = list(args[1])
             return _nbytes(inputs) - _nbytes(inputs[me])
-        inp, in_split = args[1], list(args[4]) if len(args) > 4 else []
-        row = inp[0].numel() * inp.element_size() if inp.dim() and len(inp) else 0
-        return _nbytes(inp) - (in_split[me] * row if in_split else _nbytes(inp) // n)
+        return _a2a_single_sent(args[1], list(args[4]) if len(args) > 4 else [], n, me)
     if kind == "gather":  # non-roots send their input to the root
         return _nbytes(args[1]) if me != args[3] else 0
     if kind == "scatter":  # the root sends N-1 outputs
@@ -128,10 +132,13 @@ class _CommMeter(EagerMode):
             self._add(kind, _sent_bytes(name, kind, args, n, me))
         elif ns == "_c10d_functional" and name in _FUNCTIONAL_KINDS:
             kind = _FUNCTIONAL_KINDS[name]
-            group_name = args[-1]
-            n = dist.distributed_c10d._resolve_process_group(group_name).size()
-            whole = _nbytes(args[0]) * (n if kind == "all_gather" else 1)
-            self._add(kind, collective_bytes_sent(kind, whole, n))
+            group = dist.distributed_c10d._resolve_process_group(args[-1])
+            n = group.size()
+            if kind == "all_to_all":   # (input, output_split_sizes, input_split_sizes, group): splits may be uneven
+                self._add(kind, _a2a_single_sent(args[0], list(args[2] or []), n, group.rank()))
+            else:
+                whole = _nbytes(args[0]) * (n if kind == "all_gather" else 1)
+                self._add(kind, collective_bytes_sent(kind, whole, n))
         return func(*args, **kwargs)
 
     def _add(self, kind: str, sent: int) -> None:
