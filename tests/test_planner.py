@@ -50,11 +50,11 @@ def test_model_states_follow_the_3d_formulas_for_a_balanced_model():
 def test_traffic_per_group():
     spec = ModelSpec(4, 32, 2, vocab_size=128, max_seq=16)
     L = Layout(dp=2, tp=2, pp=2, zero=1, micro_batch=2, m=4)
-    p = plan(spec, L, Workload(16, 16), act_bytes=4, vocab_parallel=False, sequence_parallel=False)
+    p = plan(spec, L, Workload(16, 16), act_bytes=4, vocab_parallel=False)     # the chapter's 3-D code: no sp
     act = 2 * 16 * 32 * 4
     assert p.traffic["pp"] == [4 * act, 4 * act]
     # with sequence parallelism each tp rank sends its 1/tp of the activation (Megatron's scatter/gather)
-    sp = plan(spec, L, Workload(16, 16), act_bytes=4, vocab_parallel=False)
+    sp = plan(spec, L, Workload(16, 16), act_bytes=4, vocab_parallel=False, sequence_parallel=True)
     assert sp.traffic["pp"] == [2 * act, 2 * act] and sp.traffic["tp"] == p.traffic["tp"]
     assert p.traffic["tp"] == [4 * 2 * 4 * act * 2 * (1 / 2)] * 2      # 4 all-reduces per block, 2 blocks, m = 4
     assert p.traffic["dp"][0] == pytest.approx(2 * p.params_local[0] * 2 / 2)

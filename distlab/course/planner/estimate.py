@@ -66,7 +66,7 @@ def _groups(layout: Layout, gpus_per_node: int) -> dict[str, tuple[str, int]]:
 def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster | None = None, *,
          param_bytes: float = 2, grad_bytes: float = 2, k: float = 12, act_bytes: float = 2,
          vocab_parallel: bool = True, flash_attention: bool = True, accum_bytes: float = 4,
-         sequence_parallel: bool = True) -> Plan:
+         sequence_parallel: bool | None = None) -> Plan:
     """Predictions for one layout (per pipeline stage, for one device of that stage).
 
     `act_bytes`: bytes per activation element (2 for bf16). `flash_attention`: the attention scores are
@@ -75,7 +75,8 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     accumulates in the 16-bit gradient itself, as the chapter's own ZeRO-1 does). `sequence_parallel`
     (Korthikanti et al. 2022): activations outside the tp regions are split over tp too, and so is the
     tensor a stage sends to the next (Megatron's scatter/gather of Narayanan et al. 2021, 4.1): pp bytes
-    / tp. The chapter's own 3-D code has neither: check it with `sequence_parallel=False`.
+    / tp. None: as `vocab_parallel`, i.e. on for Megatron-style tp (the default) and off for the chapter's
+    own 3-D code, which has neither.
 
     Besides model states and block activations, `buffers` holds per stage: "logits" (the last stage's
     logits in 16 bits, their fp32 upcast and gradient for one micro-batch, and the fp32 softmax saved for
@@ -84,6 +85,8 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     size through the ring formula. `times` splits the estimated step into its terms (`step_terms`).
     """
     L = layout
+    if sequence_parallel is None:
+        sequence_parallel = vocab_parallel
     if L.pp * L.v > spec.n_layers:
         raise ValueError(f"{L.pp} pipeline stages of {L.v} chunks for {spec.n_layers} layers")
     if spec.n_heads % L.tp:
