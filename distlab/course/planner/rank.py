@@ -13,6 +13,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def meshes(spec: ModelSpec, workload: Workload, cluster: Cluster, cp_sizes: tuple[int, ...]) -> list[dict[str, int]]:
+    """Every way to factor the cluster's GPUs into the mesh axes, innermost first (`estimate.AXES`), each
+    axis by its own rule: tp divides the heads and stays in a node; cp splits sequences of 8k tokens or
+    more, at least 2k per rank; pp <= layers; dp takes the rest. An expert-parallel axis would add its rule
+    here (ep divides dp and the number of experts), a `Layout.ep` field, and its all-to-all in `plan`."""
+    out = []
+    for tp in [t for t in _divisors(cluster.gpus) if t <= cluster.gpu.gpus_per_node and spec.n_heads % t == 0]:
+        for cp in [c for c in cp_sizes if c == 1 or (workload.seq_len >= 8192 and workload.seq_len // c >= 2048)]:
+            if (cluster.gpus // tp) % cp:
+                continue
+            for pp in [p for p in _divisors(cluster.gpus // (tp * cp)) if p <= spec.n_layers]:
+                out.append({"tp": tp, "cp": cp, "pp": pp, "dp": cluster.gpus // (tp * cp * pp)})
+    return out
+
+
 def rank_key(p: Plan) -> tuple:
     """How `candidates` orders plans: layouts that fit first, then estimated step time (to the
     millisecond), then bytes sent (ties when dp traffic hides under the backward), then memory."""
@@ -35,24 +50,19 @@ def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_st
     if recompute is None:
         recompute = ("none", "full") if kw.get("flash_attention", True) else ("none", "selective", "full")
     out = []
-    for tp in [t for t in _divisors(cluster.gpus) if t <= cluster.gpu.gpus_per_node and spec.n_heads % t == 0]:
-        for cp in [c for c in cp_sizes if c == 1 or (workload.seq_len >= 8192 and workload.seq_len // c >= 2048)]:
-            if (cluster.gpus // tp) % cp:
+    for mesh in meshes(spec, workload, cluster, cp_sizes):
+        tp, cp, pp, dp = (mesh[a] for a in ("tp", "cp", "pp", "dp"))
+        for mb in micro_batches:
+            if workload.global_batch % (dp * mb):
                 continue
-            for pp in [p for p in _divisors(cluster.gpus // (tp * cp)) if p <= spec.n_layers]:
-                dp = cluster.gpus // (tp * cp * pp)
-                for mb in micro_batches:
-                    if workload.global_batch % (dp * mb):
-                        continue
-                    m = workload.global_batch // (dp * mb)
-                    if pp > 1 and m < pp:
-                        continue          # a pipeline needs m >= pp micro-batches: it spends batch
-                    for v in [v for v in virtual_stages if v == 1 or (pp > 1 and m % pp == 0
-                                                                     and pp * v <= spec.n_layers)]:
-                        for zero in zero_stages if dp * cp > 1 else (0,):
-                            for rc in recompute:
-                                layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v)
-                                out.append(plan(spec, layout, workload, cluster, **kw))
+            m = workload.global_batch // (dp * mb)
+            if pp > 1 and m < pp:
+                continue          # a pipeline needs m >= pp micro-batches: it spends batch
+            for v in [v for v in virtual_stages if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.n_layers)]:
+                for zero in zero_stages if dp * cp > 1 else (0,):
+                    for rc in recompute:
+                        layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v)
+                        out.append(plan(spec, layout, workload, cluster, **kw))
     return sorted(out, key=rank_key)
 
 
