@@ -128,3 +128,85 @@ def _race():
 
 def test_race_times_the_kernels(no_orphans):
     assert all(distlab.launch(_race, _n(), backend="nccl"))
+
+
+# ---- issue 39: hangs on NCCL, late peers, pipeline stages' waits ---------------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _skips_a_collective():
+    if distlab.rank() == 0:
+        dist.all_reduce(torch.ones(1, device=distlab.device()))     # rank 1 never joins
+    return "returned"
+
+
+@two_gpus
+def test_a_hang_on_nccl_is_reported_within_seconds_naming_the_op(no_orphans):
+    """The hang watch (distlab.engine.watchdog) reports it after the stall window, long before NCCL's own
+    timeout (30 s), with the op and the line that issued it."""
+    import time
+    start = time.monotonic()
+    with pytest.raises(distlab.LaunchStalled) as err:
+        distlab.launch(_skips_a_collective, 2, backend="nccl", stall=2)
+    assert time.monotonic() - start < 20
+    assert err.value.ranks == [0] and "all_reduce" in str(err.value) and "_skips_a_collective" in str(err.value)
+
+
+def _late_peer(delay_s):
+    import time
+    if distlab.rank() == 1:                 # a long set-up (host work) before its first collective
+        end = time.perf_counter() + delay_s
+        while time.perf_counter() < end:
+            pass
+    t = torch.ones(1, device=distlab.device())
+    dist.all_reduce(t)
+    return t.item()
+
+
+@two_gpus
+def test_a_late_peer_on_nccl_is_not_a_hang(no_orphans):
+    """NCCL counts its timeout from enqueue: with the stall window as its timeout, rank 0 was aborted here."""
+    assert distlab.launch(_late_peer, 2, args=(4.0,), backend="nccl", stall=1) == [2.0, 2.0]
+
+
+def _stage_waits_on_its_stream():
+    import time
+
+    from distlab.course.pipeline.stages import FixedCost, build_stage
+    r, dev = distlab.rank(), distlab.device()
+    warm = torch.zeros(1, device=dev)
+    if r == 1:
+        dist.recv(warm, 0)                              # the pair's communicator exists before the timing
+        time.sleep(2.0)
+        dist.recv(torch.empty(16 * 2 ** 20, device=dev), 0)
+        return 0.0
+    dist.send(warm, 1)
+    stage = FixedCost(build_stage("tiny", index=0, stages=2, device=dev), forward_s=0.0, backward_s=0.0)
+    x = torch.randint(0, stage.config.vocab_size, (2, stage.config.seq_len), device=dev)
+    stage(x)                                            # cuBLAS set up before the timing
+    # 64 MiB: too big for NCCL to finish before rank 1 posts its recv, two seconds from now
+    send = dist.isend(torch.ones(16 * 2 ** 20, device=dev), 1)
+    start = time.perf_counter()
+    stage(x)
+    took = time.perf_counter() - start
+    send.wait()
+    return took
+
+
+@two_gpus
+def test_a_pipeline_stage_does_not_wait_for_a_send_in_flight(no_orphans):
+    """Issue 39, point 2: FixedCost's waits are on its compute stream; a device-wide synchronise would have
+    held the forward until the peer posted its recv (2 s)."""
+    took, _ = distlab.launch(_stage_waits_on_its_stream, 2, backend="nccl")
+    assert took < 1.0, took
+
+
+def test_the_notebook_kernel_opens_no_cuda_context():
+    """Issue 39, point 4, on the real GPU: a fresh interpreter asks as a notebook's kernel does."""
+    import subprocess
+    import sys
+    code = ("import torch; from distlab.engine import precision; precision.describe(); "
+            "precision.compute_dtype(torch.bfloat16); print(torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
