@@ -112,7 +112,7 @@ def test_a_peer_that_returned_leaves_the_waiting_rank_reported():
     assert watches[1].status(2.0)[0].finished
 
 
-def test_a_peer_stuck_in_host_code_is_reported_before_ncclS_own_timeout():
+def test_a_peer_stuck_in_host_code_is_reported_before_nccls_own_timeout():
     watches, entries, reports = _pair(stall_s=2.0, timeout_s=30.0)
     entries[0].append(_entry(0))                     # rank 1 never issues anything and never returns
     _run(watches, 24.5)
@@ -190,3 +190,34 @@ def test_prepare_turns_the_flight_recorder_on_and_dumps_into_the_launch(tmp_path
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == size
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / watchdog.DUMP_PREFIX)
+
+
+def test_an_nccl_ranks_watch_thread_ends_the_rank_with_a_stall_report(tmp_path, monkeypatch):
+    """runtime._start_watch on a real store, its thread running: a one-rank job whose op never completes
+    is reported after the stall window through the rank's error file and pipe (os._exit faked)."""
+    import threading
+    import time
+
+    import cloudpickle
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setattr(watchdog, "_live_entries", lambda: [_entry(0)])
+    monkeypatch.setattr(watchdog, "_live_frames", lambda rid: FRAMES)
+    exits, sent = [], []
+    monkeypatch.setattr(runtime.os, "_exit", exits.append)
+    monkeypatch.setattr(runtime, "_DELIVERY", threading.Lock())
+
+    class Pipe:
+        def send(self, what):
+            sent.append(what)
+    watch = runtime._start_watch(0, 1, store.port, str(tmp_path), Pipe(), 0.3, 30.0)
+    try:
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watch.stop()
+    assert exits == [1] and sent == ["err"]
+    err = cloudpickle.loads((tmp_path / "rank0.err").read_bytes())
+    assert err["type"] == "CollectiveTimeout" and err["message"].startswith("rank 0: all_reduce #1 (inputs [[1]]")
+    assert Status.parse((tmp_path / "rank0.watch").read_text()).waiting

@@ -171,12 +171,13 @@ class HangWatch:
     flight-recorder entries; `frames_of(record_id)` the frames of one (both replaceable in tests)."""
 
     def __init__(self, rank: int, world_size: int, store: Any, stall_s: float, timeout_s: float,
-                 report: Callable[[str], None], *, read: Callable[[], list[dict]] = _live_entries,
-                 frames_of: Callable[[int], list[dict]] = _live_frames, note_path: str | None = None,
+                 report: Callable[[str], None], *, read: Callable[[], list[dict]] | None = None,
+                 frames_of: Callable[[int], list[dict]] | None = None, note_path: str | None = None,
                  period_s: float = PERIOD_S) -> None:
         self.rank, self.world_size, self.store = rank, world_size, store
         self.stall_s, self.timeout_s, self.report = stall_s, timeout_s, report
-        self.read, self.frames_of, self.note_path, self.period_s = read, frames_of, note_path, period_s
+        self.read, self.frames_of = read or _live_entries, frames_of or _live_frames
+        self.note_path, self.period_s = note_path, period_s
         self._token: Any = None
         self._since = time.monotonic()          # when this rank last issued or completed an op
         self._first_seen: dict[Any, float] = {}  # record id -> when the watch first saw it incomplete
