@@ -393,21 +393,38 @@ def test_limits_reach_the_runner_and_count_the_account_s_own_processes_when_not_
 
 # ---------------------------------------------------------------- reports
 
-def test_reports_have_one_row_per_line_and_the_audit_column(tmp_path):
+def test_reports_give_one_row_per_student_a_gradebook_and_the_audit_column(tmp_path):
     from distlab.grading.report import write_reports
-    results = [Result("a.ipynb", [Verdict("x, 2 ranks, values", 1, 1), Verdict("x, 2 ranks, traffic", 0, 1,
-                                                                               "rank 0 called all_reduce")]),
-               Result("b.ipynb", [Verdict("x, 2 ranks, values", 0, 1, "audit: gc.get_objects")],
-                      flags=["x: gc.get_objects [rank 0]"]),
-               Result("c.ipynb", note="not a notebook: invalid JSON at line 1 column 2 (Expecting value)")]
+    long = "SyntaxError: invalid syntax (line 12: def f(x) return x) " + "x" * 300 + " the useful end"
+    results = [Result("h/a.ipynb", [Verdict("x, 2 ranks, values", 1, 1, task="x"),
+                                    Verdict("x, 2 ranks, traffic", 0, 1, long, task="x", how="detected"),
+                                    Verdict("y, 2 ranks, values", 2, 2, task="y")], seconds=12.4),
+               Result("h/b.ipynb", [Verdict("x, 2 ranks, values", 0, 1, "audit: gc.get_objects", task="x",
+                                            how="detected")], flags=["x: gc.get_objects [rank 0]"]),
+               Result("h/c.ipynb", note="not a notebook: invalid JSON at line 1 column 2 (Expecting value)")]
     write_reports(results, tmp_path, lab="01_collectives")
-    rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
-    assert [(r["submission"], r["points"]) for r in rows if r["check"] == "TOTAL"] == [
-        ("a.ipynb", "1"), ("b.ipynb", "0"), ("c.ipynb", "0")]
+    rows = list(csv.reader(open(tmp_path / "grades.csv")))
+    assert rows == [["student", "x", "y", "total", "max", "note"], ["a", "1", "2", "3", "4", ""],
+                    ["b", "0", "", "0", "1", ""], ["c", "", "", "0", "0", results[2].note]]
+    lines = list(csv.DictReader(open(tmp_path / "lines.csv")))
+    assert [(r["submission"], r["points"]) for r in lines if r["check"] == "TOTAL"] == [
+        ("h/a.ipynb", "3"), ("h/b.ipynb", "0"), ("h/c.ipynb", "0")]
     md = (tmp_path / "grades.md").read_text()
-    assert "| b.ipynb | 0 | 1 | 0/1 | x, 2 ranks, values: audit: gc.get_objects | x: gc.get_objects [rank 0] |" in md
+    assert "| h/b.ipynb | 0 | 1 | 0/1 | x, 2 ranks, values: audit: gc.get_objects | x: gc.get_objects [rank 0] |" in md
+    page = (tmp_path / "grades.html").read_text()
+    # students x tasks, coloured; the whole reason on expansion, with enforced/detected; the time
+    assert "<td class='part'><details><summary>1/2</summary>" in page and "<td class='pass'><details><summary>2/2" in page
+    assert "the useful end <span class='how'>[detected]</span>" in page and "[enforced]" in page
+    assert "<td>12 s</td>" in page and "x: gc.get_objects [rank 0]" in page
     suites = ET.parse(tmp_path / "junit.xml").getroot().findall("testsuite")
     assert [s.get("failures") for s in suites] == ["1", "1", "0"]
+
+
+def test_verdict_lines_say_whether_they_are_enforced_or_detected():
+    from distlab.grading.grade import how
+    assert how("reduce_scatter, 2 ranks, values") == "enforced"
+    assert how("reduce_scatter, 2 ranks, traffic") == how("zero3, peak") == "detected"
+    assert how("reduce_scatter, 2 ranks, values", audited=True) == "detected"
 
 
 # ---------------------------------------------------------------- the audit hook, in a child process

@@ -29,7 +29,7 @@ reason; the class run always finishes and always writes its reports."""
 
 EPILOG = """\
 examples:
-  distlab grade 01_collectives submissions/ --jobs 2       a class: writes grades/grades.{csv,md}, junit.xml
+  distlab grade 01_collectives submissions/ --jobs 2       a class: writes grades/grades.{html,csv,md}, ...
   distlab grade 02_ddp alice.ipynb bob.ipynb --out grades/02
   distlab grade 01_collectives submissions/ --only all_gather      one task (or the verdict lines matching)
   distlab grade --self 01_collectives                      a learner checks labs/01_collectives.ipynb
@@ -47,7 +47,8 @@ def add_parser(sub: Any) -> Any:
     g.add_argument("submissions", nargs="*", type=Path,
                    help="learners' notebooks (.ipynb), or folders searched recursively for them")
     g.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="write grades.csv, grades.md and junit.xml here (default: ./grades; with --self: none)")
+                   help="write grades.html, grades.csv, grades.md, lines.csv and junit.xml here (default: ./grades; "
+                        "with --self: none)")
     g.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="submissions graded at once (default 1); each runs its ranks on this machine's cores, "
                         "so N above cores/2 rarely helps")
@@ -150,7 +151,8 @@ def run(args: Any) -> int:
                     echo=None if args.self else (lambda line: print(line, flush=True)))
     print(markdown(results, detail=args.self))
     if out is not None:
-        print(f"wrote {out}/grades.csv, grades.md, junit.xml")
+        print(f"wrote {out}/grades.html (the gradebook), grades.csv (one row per student), grades.md, lines.csv, "
+              "junit.xml")
     if args.self:
         for r in results:
             failed = [v.check for v in r.verdicts if v.reason]

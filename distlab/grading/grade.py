@@ -44,6 +44,8 @@ class Verdict:
     max_points: float
     reason: str = ""          # one line, empty when passed
     judged: str = ""          # the task's own verdict line, before any audit zeroed it
+    task: str = ""            # the task it belongs to (a column of the gradebook)
+    how: str = "enforced"     # or "detected" (see `how`)
 
 
 @dataclass
@@ -77,7 +79,19 @@ class Options:
     max_result_bytes: int = MAX_RESULT_BYTES           # all records of one submission
 
 
-def one_line(text: Any, limit: int = 400) -> str:
+# Verdict lines that rest on what the audit hook saw inside a rank (its traffic, memory, placement): detected.
+DETECTED_WORDS = ("traffic", "bytes", "messages", "memory", "peak", "activations", "released", "streamed", "device",
+                  "host", "sends")
+
+
+def how(line: str, audited: bool = False) -> str:
+    """'detected' when the line rests on what a rank's audit hook saw (or evidence zeroed it), else 'enforced':
+    values judged here from the ranks' outputs, on inputs drawn from a secret seed."""
+    last = line.rsplit(", ", 1)[-1]
+    return "detected" if audited or any(w in last for w in DETECTED_WORDS) else "enforced"
+
+
+def one_line(text: Any, limit: int = 2000) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -210,7 +224,8 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None =
     bad = checked(outcome.records)
     if bad:
         outcome.failure = outcome.failure or bad
-        return [Verdict(line, 0, g.task.points, one_line(bad)) for g in lab.graded for line in g.lines], [bad]
+        return [Verdict(line, 0, g.task.points, one_line(bad), task=g.task.name, how=how(line))
+                for g in lab.graded for line in g.lines], [bad]
     records = {(r.get("task"), r.get("case")): r for r in outcome.records if r.get("kind") == "case"}
     verdicts, flags = [], []
     for graded in lab.graded:
@@ -222,10 +237,12 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None =
         flags += [f"{task.name}: {s}" for s in seen]
         for line in lines:
             if seen:
-                verdicts.append(Verdict(line.name, 0, task.points, one_line(f"audit: {seen[0]}"), str(line)))
+                verdicts.append(Verdict(line.name, 0, task.points, one_line(f"audit: {seen[0]}"), str(line),
+                                        task.name, "detected"))
             else:
                 verdicts.append(Verdict(line.name, task.points if line.ok else 0, task.points,
-                                        "" if line.ok else one_line(line.detail or "failed"), str(line)))
+                                        "" if line.ok else one_line(line.detail or "failed"), str(line), task.name,
+                                        how(line.name)))
     return verdicts, flags
 
 
@@ -266,8 +283,8 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
 
 def failed(lab: ShippedLab, name: str, note: str) -> Result:
     """A submission that could not be graded: every line 0 with `note` as its reason."""
-    return Result(name, [Verdict(line, 0, g.task.points, one_line(note)) for g in lab.graded for line in g.lines],
-                  note=one_line(note))
+    return Result(name, [Verdict(line, 0, g.task.points, one_line(note), task=g.task.name, how=how(line))
+                         for g in lab.graded for line in g.lines], note=one_line(note))
 
 
 def read_answers(lab: ShippedLab, path: Path) -> tuple[list[tuple[str, str]], list[str]]:

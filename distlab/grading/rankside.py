@@ -122,7 +122,8 @@ def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -
             exec(compile(source, f"<answer cell {cell_id}>", "exec"), ns)  # noqa: S102 - the learner's cell
         except BaseException as exc:  # noqa: BLE001 - reported when a name the check needs is missing
             first = str(exc).splitlines()[0] if str(exc) else ""
-            errors.append(f"{type(exc).__name__}: {first}"[:160])
+            where = f" (line {exc.lineno}: {(exc.text or '').strip()})" if isinstance(exc, SyntaxError) else ""
+            errors.append(f"{type(exc).__name__}: {first}{where}"[:600])
     return ns, errors
 
 
