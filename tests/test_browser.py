@@ -185,3 +185,50 @@ def test_calculator_renders_as_a_widget(ran, browser):
                                   "return nb.widgets[nb.widgets.length - 1].node.innerText;")
     assert "VBox(children" not in text
     assert "per device (GB)" in text and "ZeRO-3 / FSDP" in text
+
+
+def _wide_summary() -> dict:
+    """A tour summary whose tables would overflow a narrow window: long names, many measured/theory pairs."""
+    machine = {"device_count": 1, "device_kind": "cpu", "backend": "gloo", "torch_version": "x", "cpu_count": 2,
+               "cpu_capability": "AVX2", "cpu_native_bf16": False, "bf16_over_fp32": 40.0}
+    strategies = [{"name": f"strategy_with_a_rather_long_name_{k}", "world_size": n, "backend": "gloo",
+                   "recipe": "bf16 weights + fp32 Adam", "model_state_bytes": {"params": 2e6 * k, "grads": 2e6,
+                                                                                "optimizer_state": 12e6 / n},
+                   "predicted_model_state_bytes": 2e6 * k + 2e6 + 12e6 / n, "comm_bytes_per_step": 3e6 * k,
+                   "predicted_comm_bytes_per_step": 3e6 * k, "peak_bytes": 9e7, "predicted_peak_bytes": 8.5e7,
+                   "samples_per_s": 10.0 * k} for k in (1, 2, 3) for n in (2, 4)]
+    races = [{"name": f"race {k}", "baseline": "PyTorch's implementation", "ratio": 0.8 + 0.1 * k,
+              "spread_lo": 0.6 + 0.1 * k, "spread_hi": 1.0 + 0.1 * k, "repeats": 21, "world_size": 2} for k in range(4)]
+    wide = [{"name": "a 3-D layout", "world_size": 8, "backend": "gloo", **{f"{g}_bytes_{k}": 123456789.0 * k
+            for g in ("tp", "pp", "dp") for k in range(1, 4)},
+            **{f"predicted_{g}_bytes_{k}": 123456789.0 * k for g in ("tp", "pp", "dp") for k in range(1, 4)}}]
+    collectives = [{"op": op, "impl": "library", "world_size": 4, "bytes": b, "seconds": 1e-3, "algbw_GBps": 0.1,
+                    "busbw_GBps": 0.15} for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+                   for b in (2 ** 10, 2 ** 20, 2 ** 26)]
+    return {"machine": machine, "mode": "quick", "strategies": strategies, "races": races, "mesh3d": wide,
+            "collectives": collectives,
+            "ring_ratio": [{"world_size": 4, "bytes": 2 ** 26, "ratio": 0.49}]}
+
+
+def test_report_page_needs_no_sideways_scrolling(browser, tmp_path):
+    """The tour's report as a dashboard: at a laptop's width nothing scrolls sideways, the strategies and races
+    are charts, and the ring is the shipped solution's, not 'yours'. The screenshot's width is the window's."""
+    import html
+    import struct
+
+    from distlab.viz.report import build
+    page = build(_wide_summary(), []).html()
+    assert page.count('class="chart"') == 3                      # memory, traffic, races
+    assert "The shipped solution's ring all-reduce" in html.unescape(page) and "Your ring" not in page
+    (tmp_path / "report.html").write_text(page)
+    browser.set_window_size(900, 1000)
+    try:
+        browser.get((tmp_path / "report.html").as_uri())
+        inner, scroll = browser.execute_script("return [window.innerWidth, document.documentElement.scrollWidth];")
+        assert scroll <= inner, f"the page is {scroll} px wide in a {inner} px window: it scrolls sideways"
+        shot = tmp_path / "report.png"
+        assert browser.save_screenshot(str(shot))
+        width = struct.unpack(">I", shot.read_bytes()[16:20])[0]  # the PNG header's width
+        assert width == inner, (width, inner)
+    finally:
+        browser.set_window_size(1400, 1000)

@@ -124,3 +124,39 @@ def measured_vs_theory(xs: Sequence[float], measured: Sequence[float], theory: S
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def paired_bars(labels: Sequence[str], measured: Sequence[float], theory: Sequence[float | None], *, xlabel: str,
+                title: str) -> plt.Figure:
+    """Horizontal bars, one pair per label: measured (solid) beside theory (hatched, left out where None).
+    Horizontal, so that long labels stay readable at any count without widening the figure."""
+    fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(labels) + 1.3))
+    ys = range(len(labels))
+    ax.barh([y - 0.2 for y in ys], measured, 0.38, color="#4C72B0", label="measured")
+    ax.barh([y + 0.2 for y in ys], [t or 0 for t in theory], 0.38, color="white", edgecolor="black", hatch="//",
+            label="theory")
+    ax.set_yticks(list(ys), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def ratio_spread_bars(labels: Sequence[str], ratios: Sequence[float], spreads: Sequence[tuple[float, float]], *,
+                      title: str, xlabel: str = "ratio (1 = as fast as the baseline)") -> plt.Figure:
+    """One dot per race at its ratio, a bar across its spread (e.g. the middle half of the paired per-repeat
+    ratios), a line at 1: which differences the run can tell from noise."""
+    fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(labels) + 1.3))
+    ys = list(range(len(labels)))
+    lo = [r - s[0] for r, s in zip(ratios, spreads)]
+    hi = [s[1] - r for r, s in zip(ratios, spreads)]
+    ax.axvline(1, color="black", lw=0.8)
+    ax.errorbar(ratios, ys, xerr=[lo, hi], fmt="o", color="#C44E52", ecolor="#C44E52", capsize=3)
+    ax.set_yticks(ys, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -11,7 +11,9 @@ and the middle half of its paired per-repeat ratios.
 """
 from __future__ import annotations
 
+import base64
 import html
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +23,8 @@ MiB = 2 ** 20
 
 @dataclass
 class Report:
-    """Blocks of a report: ('h1'|'h2'|'h3'|'p'|'table'|'img'|'list', payload)."""
+    """Blocks of a report: ('h1'|'h2'|'h3'|'p'|'table'|'img'|'chart'|'list', payload). A chart is a matplotlib
+    figure drawn into the page itself (a PNG data URI in HTML; Markdown points at report.html)."""
 
     blocks: list[tuple[str, Any]] = field(default_factory=list)
 
@@ -42,6 +45,14 @@ class Report:
     def img(self, path: str, alt: str) -> None:
         self.blocks.append(("img", (path, alt)))
 
+    def chart(self, fig: Any, alt: str) -> None:
+        """Keep `fig` (a matplotlib Figure) as a PNG in the page; the figure is closed."""
+        import matplotlib.pyplot as plt
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
+        plt.close(fig)
+        self.blocks.append(("chart", (base64.b64encode(buf.getvalue()).decode(), alt)))
+
     def markdown(self) -> str:
         out = []
         for kind, x in self.blocks:
@@ -58,6 +69,8 @@ class Report:
                                      + ["| " + " | ".join(r) + " |" for r in esc[1:]]))
             elif kind == "img":
                 out.append(f"![{x[1]}]({x[0]})")
+            elif kind == "chart":
+                out.append(f"*Chart: {x[1]} (in report.html).*")
         return "\n\n".join(out) + "\n"
 
     def html(self, title: str = "distlab tour report") -> str:
@@ -77,11 +90,18 @@ class Report:
             elif kind == "img":
                 body.append(f'<figure><img src="{html.escape(x[0])}" alt="{html.escape(x[1])}">'
                             f"<figcaption>{html.escape(x[1])}</figcaption></figure>")
-        style = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;"
-                 "line-height:1.45;color:#222}table{border-collapse:collapse;margin:1rem 0;font-size:.9rem}"
-                 "th,td{border:1px solid #ccc;padding:.25rem .5rem;text-align:right}th{background:#f3f3f3}"
-                 "td:first-child,th:first-child{text-align:left}img{max-width:100%}figcaption{color:#666;"
-                 "font-size:.85rem}h2{border-bottom:1px solid #ddd;padding-bottom:.2rem;margin-top:2rem}")
+            elif kind == "chart":
+                body.append(f'<figure class="chart"><img src="data:image/png;base64,{x[0]}" alt="{html.escape(x[1])}">'
+                            f"<figcaption>{html.escape(x[1])}</figcaption></figure>")
+        # A dashboard without sideways scrolling: the page is at most the window's width, tables take the
+        # column's width and wrap their cells (long numbers and names break), figures scale down.
+        style = ("*{box-sizing:border-box}body{font-family:system-ui,sans-serif;max-width:62rem;margin:1.5rem auto;"
+                 "padding:0 1rem;line-height:1.45;color:#222}table{border-collapse:collapse;margin:1rem 0;"
+                 "font-size:.82rem;width:100%;table-layout:fixed}th,td{border:1px solid #ccc;padding:.2rem .35rem;"
+                 "text-align:right;overflow-wrap:anywhere;word-break:break-word}th{background:#f3f3f3}"
+                 "td:first-child,th:first-child{text-align:left}img{max-width:100%;height:auto}"
+                 "figure{margin:1rem 0}figcaption{color:#666;font-size:.85rem}"
+                 "h2{border-bottom:1px solid #ddd;padding-bottom:.2rem;margin-top:2rem}")
         return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                 f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
 
@@ -138,6 +158,14 @@ def measured_vs_predicted(rows: list[dict[str, Any]]) -> tuple[list[str], list[l
 # ---- chapter sections ---------------------------------------------------------------------------
 
 def _races(report: Report, races: list[dict[str, Any]]) -> None:
+    from distlab.viz.plots import ratio_spread_bars
+    labels = [f"{r['name']} vs {r['baseline']}" + (f", N={r['world_size']}" if "world_size" in r else "")
+              for r in races]
+    report.chart(ratio_spread_bars(labels, [r["ratio"] for r in races],
+                                   [(r["spread_lo"], r["spread_hi"]) for r in races],
+                                   title="Races: speed ratio, with the middle half of the paired per-repeat ratios"),
+                 "Every race as one ratio with its spread: where the bar crosses 1, this run cannot tell the two "
+                 "apart")
     lines = []
     for r in races:
         lines.append(f"{r['name']} ran at {r['ratio']:.2f}x {r['baseline']} (middle half of "
@@ -170,8 +198,9 @@ def _collectives(report: Report, s: dict[str, Any]) -> None:
              f"{best['busbw_GBps']:.2f} GB/s.")
     report.table(["message"] + [f"{op} busbw GB/s" for op in ops], rows)
     ring = s.get("ring_ratio", [])
-    if ring:
-        report.items([f"Your ring all-reduce at {r['bytes'] / MiB:.0f} MiB: {r['ratio']:.2f}x the library's "
+    if ring:           # "your" only where the record says it came from the learner's lab notebook
+        whose = lambda r: "Your" if r.get("source") in ("lab", "learner") else "The shipped solution's"  # noqa: E731
+        report.items([f"{whose(r)} ring all-reduce at {r['bytes'] / MiB:.0f} MiB: {r['ratio']:.2f}x the library's "
                       f"busbw on {r['world_size']} ranks." for r in ring])
 
 
@@ -196,11 +225,34 @@ def _strategies(report: Report, s: dict[str, Any]) -> None:
         sentence += (f", within {max(abs(x - 1) for x in close):.2%}" if close else "")
         sentence += ("; " + ", ".join(off) + ": its chapter explains why" if off else "") + "."
     report.p(sentence)
+    _strategy_charts(report, recs)
     headers, rows = measured_vs_predicted(recs)
     report.table(headers, rows)
     speed = [[r["name"], r["world_size"], r.get("recipe", ""), r.get("samples_per_s", ""),
               r.get("max_abs_param_diff_vs_single", "")] for r in recs]
     report.table(["name", "N", "recipe", "samples/s (alone)", "max abs Δ param vs one process"], speed)
+
+
+def _strategy_charts(report: Report, recs: list[dict[str, Any]]) -> None:
+    """Memory per rank and bytes per step of every strategy record, measured beside theory."""
+    from distlab.viz.plots import paired_bars
+    label = lambda r: f"{r.get('name', '?')}, N={r.get('world_size', '?')}" + (  # noqa: E731
+        f", {r['recipe']}" if r.get("recipe") else "")
+    mem = [r for r in recs if _total(r.get("model_state_bytes")) is not None]
+    if mem:
+        report.chart(paired_bars([label(r) for r in mem], [_total(r["model_state_bytes"]) / MiB for r in mem],
+                                 [None if _total(r.get("predicted_model_state_bytes")) is None
+                                  else _total(r["predicted_model_state_bytes"]) / MiB for r in mem],
+                                 xlabel="MiB per rank", title="Model states per rank: measured and theory"),
+                     "Memory per strategy, measured beside theory")
+    comm = [r for r in recs if r.get("comm_bytes_per_step") is not None]
+    if comm:
+        report.chart(paired_bars([label(r) for r in comm], [r["comm_bytes_per_step"] / MiB for r in comm],
+                                 [None if r.get("predicted_comm_bytes_per_step") is None
+                                  else r["predicted_comm_bytes_per_step"] / MiB for r in comm],
+                                 xlabel="MiB sent per rank per step (algorithmic bytes)",
+                                 title="Traffic per step: measured and theory"),
+                     "Traffic per strategy, measured beside theory")
 
 
 # Chapter sections recorded by the notebooks: (chapter, heading, how to read the table).
