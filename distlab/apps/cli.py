@@ -2,6 +2,7 @@
 `add_parser(subparsers)` (returning its parser) and `run(args) -> int`.
 
     distlab tour          run every chapter's measurements on this machine (the main job)
+    distlab train         train the course GPT on real text (the stdlib's source) with a strategy, checkpoints, --resume
     distlab doctor        what this machine can run; --run proves it, --gpu checks the course on GPUs
     distlab simulate      one training step at any size (7.5B on 64 ranks), measured on fake tensors
     distlab grade         grade learners' lab notebooks (instructors)
@@ -17,7 +18,7 @@ import sys
 from distlab.engine.lazyimports import defer_rfc3987_syntax
 
 # In the order `--help` lists them: the learner's commands first, the maintainer's last.
-SUBCOMMANDS = ("distlab.apps.tour", "distlab.apps.doctor", "distlab.apps.simulate", "distlab.grading.cli", "distlab.apps.export",
+SUBCOMMANDS = ("distlab.apps.tour", "distlab.apps.train", "distlab.apps.doctor", "distlab.apps.simulate", "distlab.grading.cli", "distlab.apps.export",
                "distlab.apps.build_labs")
 
 

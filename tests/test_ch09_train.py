@@ -1,0 +1,33 @@
+"""`distlab train`: clear errors for a bad strategy, world size or foreign checkpoint; a short run writes its
+checkpoints, loss.json and loss.png, and a foreign --resume is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distlab.apps.cli import main
+
+SMALL = ["--preset", "tiny", "--max-bytes", "200000", "--ckpt-every", "2", "--eval-every", "2"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--strategy", "zero9"], "unknown strategy 'zero9'"),
+    (["--strategy", "single", "--world-size", "2"], "one process"),
+    (["--strategy", "ddp", "--world-size", "3"], "does not split over 3 ranks"),
+    (["--strategy", "ddp", "--world-size", "2", "--resume"], "no complete checkpoint"),
+])
+def test_bad_arguments_get_a_clear_error(tmp_path, capsys, argv, words):
+    assert main(["train", *argv, "--out", str(tmp_path), *SMALL]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_run_writes_checkpoints_and_curves_and_refuses_a_foreign_resume(tmp_path, capsys, no_orphans):
+    assert main(["train", "--steps", "2", "--out", str(tmp_path), *SMALL]) == 0
+    assert (tmp_path / "checkpoints" / "step_000002").is_dir() and (tmp_path / "loss.png").stat().st_size > 0
+    run = json.loads((tmp_path / "loss.json").read_text())
+    assert run["steps"] == [0, 1] and run["resumed_from"] is None and len(run["val"]) == 1
+    # (resuming itself, at another world size too: tests/test_ch09_training.py)
+    assert main(["train", "--steps", "6", "--out", str(tmp_path), "--resume", *SMALL[:1], "small",
+                 *SMALL[2:]]) == 2
+    assert "another shape" in capsys.readouterr().err
