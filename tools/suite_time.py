@@ -10,7 +10,7 @@ and grading sandboxes the suite starts are counted) and the idle share, then `im
 time three times, a probe of how fast this host runs right now. A shared host drifts by ~10% within
 an hour: compare two revisions only in back-to-back runs (check each out in turn), not across days.
 
-`--chapters 0-6` drops what belongs to chapters 7 and 8 (their notebooks, solutions and test
+`--chapters 0-6` drops what belongs to later chapters (their notebooks, solutions and test
 files, and their labs' grading by `-k`) and the cluster path (tests/test_cluster.py: leaving one
 machine came after chapter 8), which is the suite the "6 minutes for chapters 0-6" target is about.
 """
