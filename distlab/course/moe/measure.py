@@ -22,16 +22,21 @@ from distlab.course.moe.layer import MoEConfig, MoEGPT, build_moe_model, moe_los
 @dataclass(frozen=True)
 class Loads:
     """What the routers of a short training did, per step: tokens per expert before capacity (summed over
-    layers), kept after it, and the loss."""
+    layers), kept after it, and the language-model loss (the router losses left out)."""
 
     assigned: torch.Tensor     # (steps, E)
     kept: torch.Tensor         # (steps, E)
     losses: list[float]
 
     def busiest_rank(self, ep: int) -> torch.Tensor:
-        """Per step: the tokens the busiest of ep ranks computes / the mean over ranks (1.0 = balanced)."""
+        """Per step: the rows the busiest of ep ranks computes / a balanced rank's share of all assignments
+        (T k / ep): the factor by which its experts' time exceeds a perfectly balanced step's."""
         per_rank = self.kept.view(len(self.kept), ep, -1).sum(2).double()
-        return per_rank.max(1).values / per_rank.mean(1)
+        return per_rank.max(1).values / (self.assigned.sum(1).double() / ep)
+
+    def busiest_expert(self) -> torch.Tensor:
+        """Per step: the rows of the busiest expert / a balanced expert's share (T k / E)."""
+        return self.kept.max(1).values.double() / (self.assigned.sum(1).double() / self.kept.shape[1])
 
     @property
     def dropped(self) -> float:
@@ -51,12 +56,13 @@ def train_loads(preset: str | GPTConfig, moe: MoEConfig, *, steps: int, batch_si
             x, y = synthetic_batch(step, batch_size, model.config, seed=seed, device="cpu")
             loss = moe_loss(model, x, y, aux_weight=aux_weight, z_weight=z_weight)
             loss.backward()
+            routers = sum(aux_weight * m.stats.aux_loss + z_weight * m.stats.z_loss for m in model.moe_layers())
             opt.step()
             opt.zero_grad(set_to_none=True)
             layers = model.moe_layers()
             assigned.append(sum(m.stats.assigned.sum(0) for m in layers))
             kept.append(sum(m.stats.kept.sum(0) for m in layers))
-            losses.append(loss.item())
+            losses.append(loss.item() - float(routers.detach()))
     return Loads(torch.stack(assigned), torch.stack(kept), losses)
 
 

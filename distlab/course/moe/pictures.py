@@ -97,23 +97,19 @@ def splits(m: Sequence[Sequence[int]], row_bytes: int | None = None) -> Any:
     return fig
 
 
-def load_over_steps(runs: dict[str, np.ndarray], ranks: int) -> Any:
-    """For each run (name -> tokens per expert, shape (steps, E), summed over the ranks' routing): the
-    tokens each expert got at every step (left) and the busiest rank's share against a perfect split
-    (right: max over ranks / mean over ranks of the tokens its experts received)."""
+def load_over_steps(runs: dict[str, Any], ranks: int) -> Any:
+    """For each run (name -> an object with `busiest_expert()` and `busiest_rank(ep)`, per step, as
+    `distlab.course.moe.measure.Loads` has): the busiest expert's rows (left) and the busiest rank's (right)
+    against a balanced share, over the steps; the step waits for the busiest rank."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for name, counts in runs.items():
-        counts = np.asarray(counts, dtype=float)
-        steps, e = counts.shape
-        per_rank = counts.reshape(steps, ranks, e // ranks).sum(2)
-        ratio = per_rank.max(1) / per_rank.mean(1)
-        axes[0].plot(counts.max(1) / counts.mean(1), label=f"{name}: busiest expert / mean")
-        axes[1].plot(ratio, label=f"{name}: {ratio[-1]:.2f} at the end")
-    axes[0].axhline(1, color="0.5", lw=0.8)
-    axes[1].axhline(1, color="0.5", lw=0.8)
-    axes[0].set_title("tokens of the busiest expert / the mean", fontsize=9)
-    axes[1].set_title(f"busiest rank (ep = {ranks}) / the mean: the step waits for it", fontsize=9)
-    for ax in axes:
+    for name, run in runs.items():
+        expert, rank = np.asarray(run.busiest_expert()), np.asarray(run.busiest_rank(ranks))
+        axes[0].plot(expert, label=name)
+        axes[1].plot(rank, label=f"{name}: {rank[-max(len(rank) // 3, 1):].mean():.2f} over the last third")
+    for ax, what in ((axes[0], "busiest expert's rows / a balanced share (T k / E)"),
+                     (axes[1], f"busiest of ep = {ranks} ranks / a balanced share (T k / ep)")):
+        ax.axhline(1, color="0.5", lw=0.8)
+        ax.set_title(what, fontsize=9)
         ax.set_xlabel("training step", fontsize=8)
         ax.legend(fontsize=7)
     fig.tight_layout()
