@@ -41,10 +41,11 @@ def test_a_timeout_ends_pytest_and_everything_it_started(tmp_path):
             open({str(pidfile)!r}, "w").write(str(child.pid))
             time.sleep(600)
         """))
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    # No plugin autoload: on a loaded machine pytest's start alone could outlast the timeout.
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     start = time.monotonic()
-    code, results = _pytest(["-p", "no:distlab", "-o", "addopts=", str(tmp_path / "test_hang.py")], env,
-                            tmp_path / "out.xml", timeout=8, cwd=tmp_path)
+    code, results = _pytest(["-p", "xdist.plugin", "-p", "no:distlab", "-o", "addopts=",
+                             str(tmp_path / "test_hang.py")], env, tmp_path / "out.xml", timeout=12, cwd=tmp_path)
     assert code == -1 and time.monotonic() - start < 60
     child = int(pidfile.read_text())
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
