@@ -19,6 +19,11 @@ An op that no verdict covers (a peer stuck in host code) is reported by the watc
 own timeout, in the same words. When a rank dies anyway, `abort_reason` recognises NCCL's watchdog
 by what an abort leaves: the flight recorder's dump, the watch's last status with an abort signal,
 and only then the text.
+
+Known limit: the flight recorder tells issued from completed, not a kernel that is still moving bytes
+from one waiting for its peer, so one collective that takes longer than the whole stall window on
+every rank (gigabytes over PCIe with `stall=1`) would be reported. The default NCCL window (60 s) is
+far beyond any single collective of the course.
 """
 from __future__ import annotations
 
