@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlab.engine.precision import _cpu_native_bf16
+from distlab.engine.precision import _cpu_native_bf16, gpu_facts
 
 
 def machine() -> dict[str, Any]:
@@ -22,7 +22,7 @@ def machine() -> dict[str, Any]:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     return {
         "backend": "nccl" if gpus and nccl else "gloo",
-        "device_kind": torch.cuda.get_device_name(0) if gpus else "cpu",
+        "device_kind": gpu_facts(torch.device("cuda", 0))["name"] if gpus else "cpu",   # no CUDA context in a kernel
         "device_count": gpus if gpus else 1,
         "gpu_count": gpus,
         "nccl_version": nccl,
