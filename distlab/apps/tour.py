@@ -39,6 +39,8 @@ TOUR_NOTEBOOKS = (
     "solutions/07_tensor_parallel.ipynb",
     "notebooks/08_pipeline_3d.ipynb",
     "solutions/08_pipeline.ipynb",
+    "notebooks/09_training.ipynb",
+    "solutions/09_training.ipynb",
 )
 
 
@@ -126,7 +128,27 @@ def _figures(summary: dict[str, Any], out: Path) -> list[str]:
         if scaling is not None:
             scaling.savefig(out / "strategies_memory_vs_n.png", dpi=110)
             made.append("strategies_memory_vs_n.png")
+    curves = [r for r in summary.get("training") or [] if r.get("name") == "curves"]
+    if curves:
+        made.append(_training_curves(curves[-1], out))
     return made
+
+
+def _training_curves(rec: dict[str, Any], out: Path) -> str:
+    """Chapter 9: every strategy's loss over the one-process curve (lecture 9's record)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    one = rec["single"]
+    ax.plot(one["steps"], one["loss"], color="black", lw=3, alpha=0.35, label="one process")
+    for name, s in rec["strategies"].items():
+        ax.plot(one["steps"][:len(s["loss"])], s["loss"], lw=1,
+                label=f"{name} (max |Δloss| {s['max_abs_dloss']:.0e})")
+    ax.set_xlabel("step"); ax.set_ylabel("loss")
+    ax.set_title(f"Training on the stdlib's source, {rec['world_size']} ranks (measured)", fontsize=9)
+    ax.legend(fontsize=7); fig.tight_layout()
+    fig.savefig(out / "training_curves.png", dpi=110)
+    plt.close(fig)
+    return "training_curves.png"
 
 
 def _label(s: dict[str, Any]) -> str:

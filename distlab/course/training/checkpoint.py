@@ -44,15 +44,27 @@ def _rank() -> int:
 def _unaudited() -> Iterator[None]:
     """DCP plans a save with object collectives (`gather_object`, `broadcast_object_list`), whose pickled bytes
     torch itself stages on the device the backend needs (the CPU under gloo, the GPU under NCCL). The device
-    audit (a torch-function mode, the innermost one) cannot tell torch's own staging from a learner's
+    audit (a torch-function mode) cannot tell torch's own staging from a learner's
     forgotten `device=`, so DCP runs with it set aside; the model's and optimizer's tensors are the rank's
     own, placed as training placed them."""
-    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
-    if type(_get_current_function_mode()).__name__ != "_FunctionAudit":
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+    stack = _get_current_function_mode_stack()            # innermost last
+    audits = [m for m in stack if type(m).__name__ == "_FunctionAudit"]
+    if not audits:
         yield
         return
-    with _pop_mode_temporarily():
+    for _ in stack:
+        _pop_mode()
+    for m in stack:
+        if m not in audits:
+            _push_mode(m)                                  # the others (the strict backend's) stay on
+    try:
         yield
+    finally:
+        for _ in range(len(stack) - len(audits)):
+            _pop_mode()
+        for m in stack:
+            _push_mode(m)
 
 
 def _barrier() -> None:
