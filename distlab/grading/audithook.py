@@ -74,6 +74,9 @@ WATCH = frozenset({
     "open", "compile", "exec", "import", "object.__getattr__", "marshal.loads", "marshal.load",
 })
 PREFIXES = ("ctypes.", "socket.", "_posixsubprocess.")
+# file-system events that are the rank's own business inside its temporary folder (`in_tmp`)
+TMP_EVENTS = frozenset({"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.listdir", "os.scandir", "os.truncate",
+                        "os.utime", "os.chmod", "shutil.rmtree"})
 # booked whenever learner code is anywhere on the stack (see the module docstring)
 ANYWHERE = frozenset({
     "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
@@ -232,6 +235,8 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     on_group_thread = _group_thread()
     libs, stdlib = trusted_roots()
     frozen = frozen_codes()
+    tmp = os.path.realpath(__import__("tempfile").gettempdir()) + os.sep
+    runner = tmp + "distlab-runner-"     # the runner's folder (every rank's event stream and inputs): not the rank's
     site_dirs = tuple(r for r in libs if r != stdlib[0])
     fd = os.open(stream_path, os.O_WRONLY)
     key = os.urandom(32)
@@ -240,7 +245,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     _type, _str, _int, _list, _tuple, _dict = type, str, int, list, tuple, dict
     _len, _getattr, _id, _any, _callable, _typetype = len, getattr, id, any, callable, type
     _bool, _float, _bytes, lock = bool, float, bytes, _thread.allocate_lock()
-    _hasattr, _zip = hasattr, zip
+    _hasattr, _zip, _all = hasattr, zip, all
     startswith, join = str.startswith, str.join
     book = booking(torch._C.TensorBase.numel, torch._C.TensorBase.element_size, torch._C.TensorBase.dim,
                    torch._C.TensorBase.size)
@@ -303,6 +308,13 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         if t in (_tuple, _list) and depth < 2:
             return "(" + join(", ", [safe(v, depth + 1) for v in x[:4]]) + ")"
         return "<" + name_of(t) + ">"
+
+    def in_tmp(paths: tuple) -> bool:
+        """Every path is a plain one inside the rank's temporary folder (the sandbox's private /tmp, or without
+        a sandbox the submission's own folder), outside the runner's: files there are the rank's own. Links
+        stay evidence."""
+        return _len(paths) > 0 and _all([_type(p) is _str and startswith(p, tmp) and "/.." not in p
+                                         and not startswith(p, runner) for p in paths])
 
     def learner(code: Any) -> bool:
         """Whether `code` is the learner's: not a library file's, and not the interpreter's frozen code (a
@@ -421,37 +433,41 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                         if v.__dict__.get(ck, None) is not cv:
                             send("changed", name + "." + v.__qualname__ + "." + ck, place)
 
+    def on_op(args: tuple) -> None:
+        """A call on a MeteredGroup: run it on the real group, book it, hand back its Work in the box."""
+        group, name, box, call = args
+        entry = groups.get(_id(group))
+        if entry is None or entry[0] is not group or _type(name) is not _str \
+                or (name not in kinds and name not in markers) \
+                or _type(box) is not _list or _type(call) is not _tuple:
+            raise RuntimeError("distlab grade: a call on a process group the grader did not create")
+        if name in markers:    # NCCL's group start/end around a batch_isend_irecv: no bytes
+            if _len(call) != 1 or _type(call[0]) is not Device:
+                raise TypeError("distlab grade: " + name + " takes one torch.device")
+            marker = _getattr(entry[1], name)    # a Backend's binding takes no device, a ProcessGroup's does
+            with no_dispatch():
+                box.append(marker(call[0]) if PG in mro_of(_type(entry[1])) else marker())
+            return
+        call = clean(call)
+        with no_torch_fn(), no_dispatch():    # a tensor subclass's Python methods never run here
+            kind, nbytes = book(name, call, entry[2], entry[3])
+        # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
+        # backend's own temporaries
+        with no_dispatch():
+            work = forward(entry[1], aliases.get(name, name), call)
+        # booked once issued: a call the backend refused (bad shapes) moved nothing and counts nothing
+        send("op", kind, nbytes, entry[4])
+        for meter in _list(live.values()):
+            add_live(meter, kind, nbytes, entry[5])
+        box.append(work)
+
     def on_distlab(ev: str, args: tuple, code: Any, src: str) -> None:
         if code is None or code not in codes.get(ev, ()) or (src and ev in (
                 "distlab.lookup", "distlab.checkpoint", "distlab.finish")):
             send("ev", "forged " + ev, "a distlab audit event not raised by distlab", src)
             return      # nothing runs: a forged op's caller finds its box empty
         if ev == "distlab.pg.op":
-            group, name, box, call = args
-            entry = groups.get(_id(group))
-            if entry is None or entry[0] is not group or _type(name) is not _str \
-                    or (name not in kinds and name not in markers) \
-                    or _type(box) is not _list or _type(call) is not _tuple:
-                raise RuntimeError("distlab grade: a call on a process group the grader did not create")
-            if name in markers:    # NCCL's group start/end around a batch_isend_irecv: no bytes
-                if _len(call) != 1 or _type(call[0]) is not Device:
-                    raise TypeError("distlab grade: " + name + " takes one torch.device")
-                marker = _getattr(entry[1], name)    # a Backend's binding takes no device, a ProcessGroup's does
-                with no_dispatch():
-                    box.append(marker(call[0]) if PG in mro_of(_type(entry[1])) else marker())
-                return
-            call = clean(call)
-            with no_torch_fn(), no_dispatch():    # a tensor subclass's Python methods never run here
-                kind, nbytes = book(name, call, entry[2], entry[3])
-            # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
-            # backend's own temporaries
-            with no_dispatch():
-                work = forward(entry[1], aliases.get(name, name), call)
-            # booked once issued: a call the backend refused (bad shapes) moved nothing and counts nothing
-            send("op", kind, nbytes, entry[4])
-            for meter in _list(live.values()):
-                add_live(meter, kind, nbytes, entry[5])
-            box.append(work)
+            on_op(args)
         elif ev == "distlab.pg.create":
             group, store, rank, size, timeout, members, box = args
             if group._backend_name.endswith("nccl") and Nccl:
@@ -554,6 +570,8 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 _type(flags) is _int and flags & _WRITE_FLAGS)
             if _type(path) is _str and not writes and startswith(path, libs) and "/.." not in path:
                 return
+            if in_tmp((path,)):
+                return
             send("ev", "open", safe(path) + (" for writing" if writes else ""), anywhere)
             return
         if anywhere and ev == "import" and args and _type(args[0]) is _str and args[0].split(".")[0] in TEST_MODULES:
@@ -565,6 +583,8 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             return
         if not cause:
             return
+        if ev in TMP_EVENTS and in_tmp(args[:2] if ev == "os.rename" else args[:1]):
+            return    # the rank's own temporary folder (a checkpoint written and read back, lab 09)
         if ev in ("os.listdir", "os.scandir") and args and _type(args[0]) is _str and startswith(
                 args[0], libs) and "/.." not in args[0]:
             return    # the import system lists library folders

@@ -173,8 +173,9 @@ COALESCING = ("_start_coalescing", "_end_coalescing")
 
 
 def _method(name: str) -> Any:
-    def op(self: MeteredGroup, *args: Any) -> Any:
-        return self._op(name, args)
+    def op(self: MeteredGroup, *args: Any, **kwargs: Any) -> Any:
+        # torch passes some by keyword (`dist.barrier`: `group.barrier(opts=opts)`); the bindings take them in order
+        return self._op(name, args + tuple(kwargs.values()))
     op.__name__ = op.__qualname__ = name
     op.__doc__ = (f"`{name}` on the real group, booked as {OP_KINDS[name]!r}." if name in OP_KINDS else
                   f"NCCL's `{name}` on the real group (a group marker, no bytes).")

@@ -132,15 +132,13 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
              stall_s: float | None = None) -> bytes:
     """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
     `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`)."""
-    mine = None
-    if input_paths:     # first: every rank has read and unlinked its own before any rank runs learner code
-        mine = secret.load(secret.receive(input_paths[dist.get_rank()]))
+    # first: every rank has read and unlinked its own before any rank runs learner code
+    mine = secret.load(secret.receive(input_paths[dist.get_rank()])) if input_paths else None
+    from torch import Tensor
+
     from distlab.checks import lab_module
     from distlab.meters.comm import CommStats, _CommMeter  # noqa: F401 - imported before learner code
-
-    from torch import Tensor
-    audit, dumps, sha256, _type, _dict, _list, _tuple = (sys.audit, wire.encode, hashlib.sha256, type, dict,
-                                                         list, tuple)
+    audit, dumps, sha256, _type, _dict, _list, _tuple = sys.audit, wire.encode, hashlib.sha256, type, dict, list, tuple
 
     def collect(x: Any, found: list, depth: int = 0) -> None:
         t = _type(x)
