@@ -6,10 +6,12 @@ gathers that cannot hide, and a cluster's NIC bandwidth per GPU. Pure functions,
     model_flops_per_token(matmul_params=405e9, n_layers=126, d_attn=16384, seq_len=8192)  # 6 Psi + 12 L h s
     activation_bytes_per_layer(2048, 1, 12288, n_heads=96, tp=8, flash=False)   # Korthikanti: sbh(34 + 5as/h)/t
     ring_latency_s("all_gather", 2048, 256)        # NCCL's ring: one hop per rank, network hops slower
+    collective_s("all_to_all", 64e6, 8, 450e9)     # expert parallelism's dispatch: N - 1 sends
     zero3_exposed_s(units=16, gather_s=0.02, scatter_s=0.02, forward_s=0.01, backward_s=0.02)
 
 Names: d = d_model (h in Korthikanti et al.), a = query heads, f = the MLP's hidden width, s = sequence
-(per rank), b = micro-batch, t = tp, L = layers, Psi = parameters.
+(per rank), b = micro-batch, t = tp, L = layers, Psi = parameters; mixtures of experts (chapter 10): E experts
+of width f per block, k of them per token, a router of d x E.
 """
 from __future__ import annotations
 
@@ -26,20 +28,39 @@ def kv_dim(d: int, n_heads: int, n_kv_heads: int) -> int:
     return d // n_heads * n_kv_heads
 
 
-def layer_matmul_params(d: int, n_heads: int, n_kv_heads: int, ffn: int, *, gated: bool) -> int:
-    """Weights of one block's matrices: q and o (d x d each), k and v (d x kv each), and the MLP:
-    2 d f (up, down) or 3 d f with a gated unit (SwiGLU: gate, up, down)."""
+def layer_matmul_params(d: int, n_heads: int, n_kv_heads: int, ffn: int, *, gated: bool, n_experts: int = 0,
+                        top_k: int = 1) -> int:
+    """Weights of one block's matrices that a token goes through: q and o (d x d each), k and v (d x kv
+    each), and the MLP: 2 d f (up, down) or 3 d f with a gated unit (SwiGLU: gate, up, down). A mixture of
+    experts (`n_experts` > 1) replaces the MLP by a router (d x E) and E experts of width f, of which a
+    token uses `top_k`: the *active* weights, what FLOPs per token count."""
     kv = kv_dim(d, n_heads, n_kv_heads)
-    return 2 * d * d + 2 * d * kv + (3 if gated else 2) * d * ffn
+    mlp = (3 if gated else 2) * d * ffn
+    if n_experts > 1:
+        mlp = d * n_experts + top_k * mlp
+    return 2 * d * d + 2 * d * kv + mlp
+
+
+def expert_params(d: int, ffn: int, *, gated: bool = False, bias: bool = True) -> int:
+    """One expert (an MLP of width f): 2 d f or 3 d f weights, and biases f (or 2 f) + d.
+    The course's expert (GeLU, biases): 2 d f + f + d, as `distlab.theory.moe.expert_params`."""
+    up = (2 if gated else 1) * ffn
+    return (up + ffn) * d + ((up + d) if bias else 0)
 
 
 def layer_params(d: int, n_heads: int, n_kv_heads: int, ffn: int, *, gated: bool = False, bias: bool = True,
-                 norm: str = "layernorm") -> int:
+                 norm: str = "layernorm", n_experts: int = 0) -> int:
     """All of one block's parameters: matrices, biases (q, k, v, o; the MLP's up/gate and down) and two norms
-    (LayerNorm: weight and bias, 2d; RMSNorm: weight, d). GPT (kv = d, f = 4d, biases, LayerNorm): 12d^2 + 13d."""
+    (LayerNorm: weight and bias, 2d; RMSNorm: weight, d). GPT (kv = d, f = 4d, biases, LayerNorm): 12d^2 + 13d.
+    A mixture of experts (`n_experts` > 1): the MLP is replaced by a router (d x E, no bias) and E experts
+    (`expert_params`): Mixtral 8x7B's block, 2 d^2 + 2 d kv + 8 d + 8 x 3 d f + 2 d = 1.45B."""
     kv = kv_dim(d, n_heads, n_kv_heads)
-    biases = (d + 2 * kv + d + (2 if gated else 1) * ffn + d) if bias else 0
-    return layer_matmul_params(d, n_heads, n_kv_heads, ffn, gated=gated) + biases + 2 * norm_params(d, norm)
+    attn = 2 * d * d + 2 * d * kv + ((d + 2 * kv + d) if bias else 0)
+    if n_experts > 1:
+        mlp = d * n_experts + n_experts * expert_params(d, ffn, gated=gated, bias=bias)
+    else:
+        mlp = expert_params(d, ffn, gated=gated, bias=bias)
+    return attn + mlp + 2 * norm_params(d, norm)
 
 
 def norm_params(d: int, norm: str = "layernorm") -> int:
@@ -90,7 +111,7 @@ def recompute_flops_per_token(mode: str, matmul_params: float, n_layers: int, d_
 def activation_bytes_per_layer(s: float, b: int, d: int, *, n_heads: int, kv: int | None = None,
                                ffn: int | None = None, gated: bool = False, dropout: bool = True, tp: int = 1,
                                flash: bool = True, recompute: str = "none", act_bytes: float = 2,
-                               sp: bool = True) -> float:
+                               sp: bool = True, n_experts: int = 0, top_k: int = 1) -> float:
     """Bytes one block keeps for its backward, per device, with tensor and sequence parallelism over `tp`.
 
     Korthikanti et al. (2022), Table 2, generalised to GQA (kv = width of K and V) and gated MLPs; each
@@ -104,6 +125,10 @@ def activation_bytes_per_layer(s: float, b: int, d: int, *, n_heads: int, kv: in
     GPT (kv = h, f = 4h, dropout, e = 2): sbh(34 + 5as/h), all over t with sequence parallelism (`sp`);
     without it the norms' inputs, the dropout masks and the inputs of QKV and of the MLP stay whole on every
     tp rank: sbh(10 + 24/t + 5as/(ht)).
+    A mixture of experts (`n_experts` > 1, `top_k` = k, f the expert's width): the MLP keeps its input and
+    mask, the router's fp32 probabilities (4 sbE), and for each of a token's k experts its permuted input row
+    and the expert's inner tensors: e sb(h + k(h + 3f)) gated (k(h + 2f) GeLU), with uniform routing and no
+    drops, split over tp like the dense MLP.
     `recompute`: "selective" drops the scores (recomputed from Q and K): 34 sbh/t for GPT, the same as
     FlashAttention; "full" keeps only each block's input, e sbh (/t with sp).
     """
@@ -116,6 +141,8 @@ def activation_bytes_per_layer(s: float, b: int, d: int, *, n_heads: int, kv: in
         raise ValueError(f"unknown recomputation {recompute!r}; choose none, selective or full")
     attn = s * b * (act_bytes * (3 * d + 2 * kv) + mask * d)
     mlp = s * b * (act_bytes * d + act_bytes * (3 if gated else 2) * f + mask * d)
+    if n_experts > 1:
+        mlp = s * b * (act_bytes * d + top_k * act_bytes * (d + (3 if gated else 2) * f) + mask * d + 4 * n_experts)
     norms = 2 * act_bytes * s * b * d
     scores = 0.0 if flash or recompute == "selective" else n_heads * s * s * b * (2 * act_bytes + mask)
     whole = 0.0 if sp else s * b * d * (2 * act_bytes + 2 * mask + 2 * act_bytes)   # norms, masks, two inputs
@@ -168,13 +195,42 @@ def tree_latency_s(n_ranks: int, n_nodes: int = 1, latency: Latency = NCCL_RING,
     return latency.base + 2 * ((per_node - 1) * latency.intra + math.ceil(math.log2(n_nodes)) * inter)
 
 
+def all_to_all_latency_s(n_ranks: int, n_nodes: int = 1, latency: Latency = NCCL_RING) -> float:
+    """Latency of one all-to-all over `n_ranks` ranks in `n_nodes` nodes: NCCL runs it as N - 1 sends
+    (one to each peer, grouped), counted here one after the other: base + (N/nodes - 1) hops inside the
+    node + (N - N/nodes) network hops. Pessimistic where the sends overlap; alpha N, like a ring."""
+    if n_ranks <= 1:
+        return 0.0
+    if not 1 <= n_nodes <= n_ranks:
+        raise ValueError(f"n_nodes must be in 1..{n_ranks}, got {n_nodes}")
+    local = n_ranks / n_nodes
+    return latency.base + (local - 1) * latency.intra + (n_ranks - local) * latency.inter
+
+
+def all_to_all_wire_bytes(message_bytes: float, n_ranks: int, n_nodes: int = 1) -> float:
+    """Bytes of one rank's all-to-all on its slowest link, for a send buffer of S bytes split evenly over
+    the N ranks (its own share stays): S (N-1)/N inside one node; across nodes the share for other nodes,
+    S (N - N/nodes)/N, through the NIC (the share for its own node's peers goes over NVLink at the same
+    time, 9-20x faster, and is not counted)."""
+    if n_ranks <= 1:
+        return 0.0
+    if n_nodes <= 1:
+        return message_bytes * (n_ranks - 1) / n_ranks
+    return message_bytes * (n_ranks - n_ranks / n_nodes) / n_ranks
+
+
 def collective_s(op: str, message_bytes: float, n_ranks: int, bandwidth: float, n_nodes: int = 1,
                  latency: Latency = NCCL_RING) -> float:
     """alpha-beta time of one collective on a message of S bytes (the gathered output, the scattered input,
-    the all-reduced buffer): latency (all-reduce: the smaller of ring and tree, as NCCL picks) plus the
-    bytes one rank sends, S (N-1)/N (all-reduce: twice), over `bandwidth` bytes/s."""
+    the all-reduced buffer, an all-to-all's send buffer): latency (all-reduce: the smaller of ring and tree,
+    as NCCL picks) plus the bytes one rank sends, S (N-1)/N (all-reduce: twice), over `bandwidth` bytes/s.
+    "all_to_all": N - 1 sends (`all_to_all_latency_s`) and `all_to_all_wire_bytes`; `bandwidth` is the
+    NIC's when the ranks span nodes."""
     if n_ranks <= 1:
         return 0.0
+    if op == "all_to_all":
+        return (all_to_all_latency_s(n_ranks, n_nodes, latency)
+                + all_to_all_wire_bytes(message_bytes, n_ranks, n_nodes) / bandwidth)
     share = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}.get(op)
     if op == "send":
         return ring_latency_s("send", 2, min(n_nodes, 2), latency) + message_bytes / bandwidth

@@ -2,6 +2,7 @@
 model with.
 
     spec = ModelSpec.from_size(70e9)                            # a GPT-shaped 70B model (family="llama": GQA, SwiGLU)
+    # or MIXTRAL_8X7B: a mixture of experts (chapter 10), whose layouts also choose ep
     plans = candidates(spec, Workload(seq_len=4096, global_batch=1024), Cluster(gpus=256))
     print(markdown(plans[:5]))                                  # ranked: fits, then estimated step; assumptions
     planner()                                                   # the same as a widget in Jupyter
@@ -9,9 +10,9 @@ model with.
 Every prediction is a closed form over the model's shape (`ModelSpec`; the closed forms live in
 `distlab.theory.pipeline` and `distlab.theory.planning`): model states per device by pipeline stage (the
 first stage holds the embeddings, the last the head), activations by schedule (1F1B, or interleaved with
-v chunks per rank), bytes each device sends per step in each group (dp, tp, pp, cp) and on which link
+v chunks per rank), bytes each device sends per step in each group (dp, tp, pp, cp; ep and edp for a mixture of experts) and on which link
 (NVLink inside a node, the cluster's NICs between nodes, by the course's one mesh order, outermost first
-(pp, dp, cp, tp): the heaviest, latency-critical traffic on neighbouring ranks of one node, the lightest
+(pp, dp, ep, cp, tp): the heaviest, latency-critical traffic on neighbouring ranks of one node, the lightest
 (pp's point-to-point activations) on the groups that span nodes), the bubble, and the step time term by
 term (`Plan.times`), with a latency per collective. `plan(...)` is one layout; `candidates(...)`
 enumerates and ranks them. Pure functions: chapter 8 checks them against the layouts it measures on CPU
@@ -30,12 +31,13 @@ terms), rank (candidates, frameworks, markdown, assumptions), widget (planner).
 """
 from __future__ import annotations
 
-from distlab.course.planner.estimate import AXES, block_params, local_params, plan, step_terms
+from distlab.course.planner.estimate import AXES, block_params, expert_block_params, local_params, plan, step_terms
 from distlab.course.planner.layout import GB, RECOMPUTE, Cluster, Layout, Plan, Workload
 from distlab.course.planner.rank import assumptions, candidates, frameworks, markdown, rank_key
-from distlab.course.planner.shapes import LAPTOP_RECIPE, LLAMA_3_405B, RECIPES, ModelSpec, recipe
+from distlab.course.planner.shapes import LAPTOP_RECIPE, LLAMA_3_405B, MIXTRAL_8X7B, RECIPES, ModelSpec, recipe
 from distlab.course.planner.widget import FAMILIES, GPUS, planner
 
-__all__ = ["AXES", "FAMILIES", "GB", "GPUS", "LAPTOP_RECIPE", "LLAMA_3_405B", "RECIPES", "RECOMPUTE", "Cluster",
-           "Layout", "ModelSpec", "Plan", "Workload", "assumptions", "block_params", "candidates", "frameworks",
+__all__ = ["AXES", "FAMILIES", "GB", "GPUS", "LAPTOP_RECIPE", "LLAMA_3_405B", "MIXTRAL_8X7B", "RECIPES", "RECOMPUTE",
+           "Cluster", "Layout", "ModelSpec", "Plan", "Workload", "assumptions", "block_params", "candidates",
+           "expert_block_params", "frameworks",
            "local_params", "markdown", "plan", "planner", "rank_key", "recipe", "step_terms"]

@@ -72,7 +72,9 @@ RECOMPUTE = ("none", "selective", "full")
 class Layout:
     """One way to lay a model out. `recompute`: "none", "selective" (Korthikanti et al. 2022: the attention
     core) or "full" (True and False still mean full and none). `v`: model chunks per pipeline rank (the
-    interleaved 1F1B schedule when v > 1)."""
+    interleaved 1F1B schedule when v > 1). `ep`: expert parallelism (a mixture of experts, chapter 10),
+    carved out of dp: each group of ep data-parallel ranks splits a block's experts E/ep each, so ep
+    divides dp; the dense parts stay data-parallel over dp, each expert over dp/ep."""
 
     dp: int = 1
     tp: int = 1
@@ -84,8 +86,11 @@ class Layout:
     schedule: str = "1f1b"
     recompute: Any = "none"
     v: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are carved out of the data-parallel ranks)")
         rc = self.recompute
         if isinstance(rc, bool):
             rc = "full" if rc else "none"
@@ -102,7 +107,8 @@ class Layout:
     def __str__(self) -> str:
         extra = {"none": "", "full": ", recompute", "selective": ", selective recompute"}[self.recompute]
         chunks = f" v={self.v}" if self.v > 1 else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ZeRO-{self.zero} "
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}{experts} ZeRO-{self.zero} "
                 f"mb={self.micro_batch} m={self.m}{chunks}{extra}")
 
 
@@ -150,8 +156,17 @@ def frameworks(layout: Layout) -> str:
     """Frameworks that offer `layout` as such (2025). ZeRO-2/3 with a pipeline is not offered by
     DeepSpeed's pipeline engine (ZeRO-1 only) nor by Megatron-LM (its distributed optimizer is
     ZeRO-1); torchtitan composes FSDP2 (ZeRO-3, or ZeRO-2 with reshard_after_forward=False) with
-    `torch.distributed.pipelining`. DeepSpeed's pipeline engine runs 1F1B only (no interleaving)."""
+    `torch.distributed.pipelining`. DeepSpeed's pipeline engine runs 1F1B only (no interleaving).
+    Expert parallelism (ep > 1): Megatron-LM (Megatron Core MoE: ep with tp, pp, cp and its distributed
+    optimizer), torchtitan (ep with FSDP2, tp, pp), DeepSpeed-MoE (ep with ZeRO-1/2 data parallelism, no
+    pipeline)."""
     L = layout
+    if L.ep > 1:
+        names = ["Megatron-LM"] if L.zero <= 1 else []
+        names.append("torchtitan")
+        if L.pp == 1 and L.cp == 1 and L.zero <= 2:
+            names.append("DeepSpeed-MoE")
+        return ", ".join(names) + (" only" if len(names) == 1 else "")
     if L.pp > 1:
         if L.zero >= 2:
             return "torchtitan (FSDP2 + pipelining) only"

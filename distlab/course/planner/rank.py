@@ -13,18 +13,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(spec: ModelSpec, workload: Workload, cluster: Cluster, cp_sizes: tuple[int, ...]) -> list[dict[str, int]]:
+def meshes(spec: ModelSpec, workload: Workload, cluster: Cluster, cp_sizes: tuple[int, ...],
+           ep_sizes: tuple[int, ...] | None = None) -> list[dict[str, int]]:
     """Every way to factor the cluster's GPUs into the mesh axes, innermost first (`estimate.AXES`), each
     axis by its own rule: tp divides the heads and stays in a node; cp splits sequences of 8k tokens or
-    more, at least 2k per rank; pp <= layers; dp takes the rest. An expert-parallel axis would add its rule
-    here (ep divides dp and the number of experts), a `Layout.ep` field, and its all-to-all in `plan`."""
+    more, at least 2k per rank; pp <= layers; dp takes the rest; ep (a mixture of experts) divides dp and
+    the number of experts, `ep_sizes` (default: every such divisor)."""
     out = []
     for tp in [t for t in _divisors(cluster.gpus) if t <= cluster.gpu.gpus_per_node and spec.n_heads % t == 0]:
         for cp in [c for c in cp_sizes if c == 1 or (workload.seq_len >= 8192 and workload.seq_len // c >= 2048)]:
             if (cluster.gpus // tp) % cp:
                 continue
             for pp in [p for p in _divisors(cluster.gpus // (tp * cp)) if p <= spec.n_layers]:
-                out.append({"tp": tp, "cp": cp, "pp": pp, "dp": cluster.gpus // (tp * cp * pp)})
+                dp = cluster.gpus // (tp * cp * pp)
+                eps = [e for e in _divisors(dp) if spec.moe and spec.n_experts % e == 0
+                       and (ep_sizes is None or e in ep_sizes)] or [1]
+                for ep in eps:
+                    out.append({"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp})
     return out
 
 
@@ -37,7 +42,7 @@ def rank_key(p: Plan) -> tuple:
 def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_stages: tuple[int, ...] = (1, 2, 3),
                micro_batches: tuple[int, ...] = (1, 2, 4), cp_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
                recompute: tuple[Any, ...] | None = None, virtual_stages: tuple[int, ...] = (1, 2, 4),
-               **kw: Any) -> list[Plan]:
+               ep_sizes: tuple[int, ...] | None = None, **kw: Any) -> list[Plan]:
     """Every valid layout of `cluster.gpus` devices, ranked by `rank_key`.
 
     Valid: tp divides the heads and stays in a node; pp x v <= layers; dp x m x micro_batch = the
@@ -46,12 +51,13 @@ def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_st
     least 2k of them; interleaving (v > 1) when m is a multiple of pp (Megatron-LM's rule).
     `recompute`: the modes to try; by default none and full, and selective when the attention scores
     are stored (`flash_attention=False`; with FlashAttention selective recomputation keeps the same bytes).
+    A mixture of experts also walks ep: every divisor of dp that divides the experts (or those in `ep_sizes`).
     """
     if recompute is None:
         recompute = ("none", "full") if kw.get("flash_attention", True) else ("none", "selective", "full")
     out = []
-    for mesh in meshes(spec, workload, cluster, cp_sizes):
-        tp, cp, pp, dp = (mesh[a] for a in ("tp", "cp", "pp", "dp"))
+    for mesh in meshes(spec, workload, cluster, cp_sizes, ep_sizes):
+        tp, cp, pp, dp, ep = (mesh[a] for a in ("tp", "cp", "pp", "dp", "ep"))
         for mb in micro_batches:
             if workload.global_batch % (dp * mb):
                 continue
@@ -61,7 +67,7 @@ def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_st
             for v in [v for v in virtual_stages if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.n_layers)]:
                 for zero in zero_stages if dp * cp > 1 else (0,):
                     for rc in recompute:
-                        layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v)
+                        layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v, ep)
                         out.append(plan(spec, layout, workload, cluster, **kw))
     return sorted(out, key=rank_key)
 
@@ -77,7 +83,7 @@ def assumptions(cluster: Cluster) -> list[str]:
         f"Kernels: {eff}. FLOPs per token: 6 per matrix weight + 12 L h s for attention (counted whole); "
         "MFU leaves recomputation out.",
         f"Links per GPU and direction: {g.nvlink_GBps:g} GB/s {g.nvlink_name} inside a node, "
-        f"{cluster.ib_bytes_per_s / 1e9:g} GB/s between nodes ({nic}); mesh order pp, dp, cp, tp (outermost first).",
+        f"{cluster.ib_bytes_per_s / 1e9:g} GB/s between nodes ({nic}); mesh order pp, dp, ep, cp, tp (outermost first).",
         f"Collectives: bytes over the link plus NCCL's ring latency ({lat.base * 1e6:g} us per call, "
         f"{lat.intra * 1e6:g} us per NVLink hop, {lat.inter * 1e6:g} us per network hop; all-reduce: ring or "
         "tree, the faster). tp and cp wait on every micro-batch; ZeRO-0..2 buckets of "
@@ -86,6 +92,12 @@ def assumptions(cluster: Cluster) -> list[str]:
         "Schedules: 1F1B, or interleaved 1F1B with v chunks per rank, bubble ((p-1)/v)/(m + (p-1)/v). "
         "Activations: Korthikanti et al. (2022) with sequence parallelism, FlashAttention unless told; "
         "recomputation none, selective (the attention core) or full.",
+        "Mixtures of experts: FLOPs count the active parameters (router and k of E experts); E/ep experts per "
+        "device, each split over tp like a dense MLP, their states ZeRO-sharded over their dp/ep replicas; "
+        "routing uniform (no drops, no imbalance: the busiest rank is the mean); per MoE block and micro-batch "
+        "an all-to-all of counts and four of b s k h / (cp tp) bytes (dispatch and combine, forward and "
+        "backward) on the critical path, each N - 1 sends (one latency per peer, a network hop for a peer in "
+        "another node) at NVLink speed inside a node, else the NIC's for the share leaving the node.",
         "Not known to the planner: kernel efficiency at a run's own shapes, stragglers and slow links, "
         "failures and restarts, data loading, and overlap tricks beyond the above (tp communication overlap).",
     ]

@@ -1,5 +1,6 @@
 """A model's shape, as the planner reads it: GPT (the course's), or Llama-shaped (grouped-query attention,
-a SwiGLU MLP, RMSNorm, no biases). Parameter counts are exact for both (tests/test_planner.py)."""
+a SwiGLU MLP, RMSNorm, no biases), either with a mixture of experts in every block (chapter 10: Mixtral).
+Parameter counts are exact for all (tests/test_planner.py, tests/test_planner_moe.py)."""
 from __future__ import annotations
 
 import math
@@ -38,7 +39,10 @@ class ModelSpec:
     GPT by default (the course's models: learned positions up to `max_seq`, biases, LayerNorm, MLP of
     4 d, dropout, untied head). Llama-shaped models set `n_kv_heads` (grouped-query attention), `ffn`
     (the MLP's width), `gated` (SwiGLU: three matrices), `bias=False`, `norm="rmsnorm"`, `max_seq=0`
-    (RoPE) and `dropout=False`. `tied`: the head reuses the input embedding (BLOOM).
+    (RoPE) and `dropout=False`. `tied`: the head reuses the input embedding (BLOOM). A mixture of experts
+    (chapter 10) sets `n_experts` > 1 and `top_k`: every block's MLP becomes a router (d x E) and E experts
+    of width `ffn`, k of them per token (`MIXTRAL_8X7B`); `num_params` counts all of them, `active_params`
+    and the FLOPs per token only the k a token goes through.
     """
 
     n_layers: int
@@ -54,6 +58,8 @@ class ModelSpec:
     norm: str = "layernorm"         # or "rmsnorm"
     tied: bool = False              # head and input embedding share one matrix
     dropout: bool = True            # dropout masks kept for the backward (1 byte per element)
+    n_experts: int = 0              # experts per block (0 or 1: a dense MLP); `ffn` is each expert's width
+    top_k: int = 1                  # experts per token
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelSpec":
@@ -90,14 +96,35 @@ class ModelSpec:
         return pt.kv_dim(self.d_model, self.n_heads, self.kv_heads)
 
     @property
+    def moe(self) -> bool:
+        return self.n_experts > 1
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's parameters (a mixture of experts), or the dense MLP's."""
+        return pt.expert_params(self.d_model, self.ffn_dim, gated=self.gated, bias=self.bias)
+
+    @property
+    def layer_expert_params(self) -> int:
+        """One block's expert parameters, all E of them (0 for a dense model): what ep shards."""
+        return self.n_experts * self.expert_params if self.moe else 0
+
+    @property
     def layer_params(self) -> int:
         """GPT: 12d^2 + 13d (qkv 3d^2+3d, proj d^2+d, fc 4d^2+4d, out 4d^2+d, two LayerNorms 4d)."""
         return pt.layer_params(self.d_model, self.n_heads, self.kv_heads, self.ffn_dim, gated=self.gated,
-                               bias=self.bias, norm=self.norm)
+                               bias=self.bias, norm=self.norm, n_experts=self.n_experts)
 
     @property
     def layer_matmul_params(self) -> int:
-        return pt.layer_matmul_params(self.d_model, self.n_heads, self.kv_heads, self.ffn_dim, gated=self.gated)
+        """The matrix weights a token goes through in one block (a mixture of experts: router + k experts)."""
+        return pt.layer_matmul_params(self.d_model, self.n_heads, self.kv_heads, self.ffn_dim, gated=self.gated,
+                                      n_experts=self.n_experts, top_k=self.top_k)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all of a dense model's; a mixture of experts' less its E - k idle experts."""
+        return self.num_params - (self.n_layers * (self.n_experts - self.top_k) * self.expert_params if self.moe else 0)
 
     @property
     def num_params(self) -> int:
@@ -116,3 +143,9 @@ class ModelSpec:
 # 8 key/value heads, vocabulary 128K (128,256 in the released tokenizer), untied head: 405.9B parameters.
 LLAMA_3_405B = ModelSpec(126, 16384, 128, 128_256, 0, "Llama 3 405B", n_kv_heads=8, ffn=53_248, gated=True,
                          bias=False, norm="rmsnorm", dropout=False)
+
+# Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088), Table 1: 32 layers, dim 4096, hidden (expert)
+# 14336, 32 heads, 8 key/value heads, vocabulary 32000, 8 experts, top-2; section 2.1: 46.7B parameters,
+# 12.9B active per token (SwiGLU experts, RMSNorm, RoPE, untied head: 46.70B and 12.88B here).
+MIXTRAL_8X7B = ModelSpec(32, 4096, 32, 32_000, 0, "Mixtral 8x7B", n_kv_heads=8, ffn=14_336, gated=True, bias=False,
+                         norm="rmsnorm", dropout=False, n_experts=8, top_k=2)
