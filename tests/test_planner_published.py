@@ -36,3 +36,16 @@ def test_bloom_read_against_the_planner():
     # recompute selectively (not available to BLOOM in 2022) and so estimates BLOOM's own step 1.3x its best.
     assert row["mesh_rank"] == 1 and 1.2 < row["ratio"] < 1.45
     assert "| BLOOM 176B | 176B | 384 |" in pub.table([row])
+
+
+def test_published_moe_layouts_add_up_and_their_models_are_mixtral():
+    assert pub.MOE_API
+    for run in pub.MOE_RUNS:
+        L = run.layout
+        assert L["dp"] * L["tp"] * L["pp"] * L["cp"] == run.gpus and L["dp"] % L["ep"] == 0, run.name
+        assert run.global_batch % (L["dp"] * L["micro_batch"]) == 0 and "et al." in run.source
+    small, large = (pub.spec_of(run) for run in pub.MOE_RUNS)
+    assert (small.num_params, small.active_params) == (pytest.approx(46.7e9, rel=1e-3), pytest.approx(12.9e9, rel=2e-3))
+    # Mixtral 8x22B (141B, 39B active, vocabulary 32768) with the benchmark's 32000-token vocabulary
+    assert large.num_params == pytest.approx(140.6e9, rel=1e-3) and large.active_params == pytest.approx(39.1e9, rel=2e-3)
+    assert pub.published_mfu(pub.MOE_RUNS[1]) == pytest.approx(455 / 989) and pub.published_mfu(pub.MOE_RUNS[0]) == 0

@@ -2,6 +2,7 @@
 
     from distlab.course.planner.published import RUNS, compare, table
     print(table([compare(run) for run in RUNS]))     # or: python tools/planner_vs_published.py
+    print(table([compare(run) for run in MOE_RUNS])) # mixtures of experts (issue 37): published benchmark layouts
 
 For each published run: the model's shape, the cluster and the layout as the paper gives them, and
 the figures the paper reports. `compare` asks the planner (`distlab.course.planner`) for every
@@ -31,6 +32,7 @@ from distlab.course import planner as pl
 from distlab.theory.hardware import A100, H100
 
 NEW_API = hasattr(pl, "LLAMA_3_405B")
+MOE_API = hasattr(pl, "MIXTRAL_8X7B")          # the planner knows expert parallelism (issue 37)
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,43 @@ for gpus, dp, cp, seq, per_dp, mfu in ((8192, 64, 1, 8192, 32, 0.43), (16384, 12
                     notes="micro-batch 1 assumed; ZeRO stage, recomputation and v not stated: the planner's best"))
 
 
+# Mixtures of experts (issue 37). No training run of a mixture of experts on GPUs publishes its layout with the
+# model's shape and a throughput in a form the planner can read: Mixtral's paper (Jiang et al. 2024) gives
+# neither cluster nor layout; DeepSeek-V3's report (DeepSeek-AI 2024, arXiv:2412.19437, sec. 3.2-3.3: 2048 H800,
+# pp 16, ep 64 over 8 nodes, ZeRO-1 dp, no tp, FP8, DualPipe) uses multi-head latent attention, a shared expert
+# and dense first layers, none of which the planner's shapes express. What is published instead are NVIDIA's
+# Megatron Core benchmark configurations (the Megatron-MoE-ModelZoo of Liu et al. 2025, "MoE Parallel Folding",
+# arXiv:2504.14960): github.com/yanring/Megatron-MoE-ModelZoo, runtime_configs/benchmarking/runtime.conf
+# (TP PP EP CP VPP MBS GBS, nodes of 8 H100, sequence 4096), model_configs/benchmarking/Mixtral-8x22B.yaml
+# (56 layers, h 6144, FFN 16384, 48 heads, 8 query groups, SwiGLU, RMSNorm, untied, Llama 2 tokenizer: vocabulary
+# 32000; distributed optimizer (ZeRO-1), sequence parallel, FlashAttention, no recomputation, bf16, expert
+# tensor parallelism 1) and best_practice/Mixtral/run_mixtral_8x22B.sh ("around 455 TFLOPS for H100", dropless).
+# Benchmarks, not training runs; the throughput is Megatron's count of the model's FLOPs (active experts,
+# attention, no recomputation), so MFU = 455 / 989. The 8x7B line states no throughput.
+MIXTRAL_SHAPE = dict(n_layers=32, d_model=4096, n_heads=32, vocab_size=32_000, max_seq=0)
+MIXTRAL_EXTRA = dict(n_kv_heads=8, ffn=14_336, gated=True, bias=False, norm="rmsnorm", dropout=False, n_experts=8,
+                     top_k=2)
+ZOO = "Megatron-MoE-ModelZoo (Liu et al. 2025), runtime.conf"
+H100_NIC = 8 * 400 / 8 / 8                           # the zoo's H100 nodes: InfiniBand 8 x 50 GB/s
+MOE_RUNS = [
+    Run("Mixtral 8x7B (Megatron Core benchmark)", ZOO, H100, 64, MIXTRAL_SHAPE, 4096, 256,
+        dict(dp=16, tp=1, pp=4, cp=1, ep=8, zero=1, micro_batch=1, v=8, recompute="none"), nic_GBps=H100_NIC,
+        extra=MIXTRAL_EXTRA, notes="no throughput stated: MFU not compared; ZeRO-1 = the distributed optimizer"),
+    Run("Mixtral 8x22B (Megatron Core benchmark)", ZOO + ", Mixtral-8x22B.yaml, run_mixtral_8x22B.sh", H100, 128,
+        dict(n_layers=56, d_model=6144, n_heads=48, vocab_size=32_000, max_seq=0), 4096, 256,
+        dict(dp=8, tp=2, pp=8, cp=1, ep=8, zero=1, micro_batch=1, v=1, recompute="none"), tflops=455,
+        mfu=455 / 989, nic_GBps=H100_NIC, extra=dict(MIXTRAL_EXTRA, ffn=16_384),
+        notes="expert tensor parallelism 1 (MoE Parallel Folding: experts whole, the ep group folded into the tp x dp "
+              "ranks of one node); the planner splits experts over tp like the dense MLP and puts ep outside tp, so "
+              "its ep = 8 beside tp = 2 spans two nodes (all-to-alls over the NICs) where the benchmark's stays on "
+              "NVLink: the planner over-prices this layout's ep and prefers ep = 4"),
+]
+
+
 def published_mfu(run: Run) -> float:
-    """The paper's MFU, or Megatron's recompute-counted TFLOP/s converted to the model's own FLOPs."""
-    if run.mfu:
+    """The paper's MFU, or Megatron's recompute-counted TFLOP/s converted to the model's own FLOPs
+    (0.0: no throughput published)."""
+    if run.mfu or not run.tflops:
         return run.mfu
     s, h, l, v = run.seq_len, run.shape["d_model"], run.shape["n_layers"], run.shape["vocab_size"]
     ratio = 72 * (1 + s / (6 * h) + v / (12 * l * h)) / (96 * (1 + s / (6 * h) + v / (16 * l * h)))
@@ -141,19 +177,21 @@ def compare(run: Run) -> dict:
     mbs = tuple(sorted({1, 2, 4, run.layout.get("micro_batch", 1)}))
     cps = tuple(sorted({1, 2, 4, run.layout.get("cp", 1)}))
     options = dict(run.software, zero_stages=(0, 1, 2, 3)) if NEW_API else {}
+    if "v" in run.layout and NEW_API:
+        options["virtual_stages"] = tuple(sorted({1, 2, 4, run.layout["v"]}))
     plans = pl.candidates(spec, work, cluster, micro_batches=mbs, cp_sizes=cps, **options)
     same = [p for p in plans if _matches(p.layout, run.layout)]
     if not same:
         raise ValueError(f"{run.name}: the planner offers no layout with {run.layout}")
     pub = same[0]
     rank = plans.index(pub) + 1
-    mesh = {k: run.layout[k] for k in ("dp", "tp", "pp", "cp")}
+    mesh = {k: run.layout[k] for k in ("dp", "tp", "pp", "cp", "ep") if k in run.layout}
     mesh_rank = next(i for i, p in enumerate(plans, 1) if _matches(p.layout, mesh))
     best = plans[0]
     eff = cluster.efficiency if NEW_API else cluster.mfu
     return dict(run=run, spec=spec, plans=plans, pub=pub, best=best, rank=rank, mesh_rank=mesh_rank,
                 ratio=pub.step_s / best.step_s, mfu=pub.mfu, pub_mfu=published_mfu(run),
-                implied=eff * published_mfu(run) / pub.mfu)
+                implied=eff * published_mfu(run) / pub.mfu if published_mfu(run) else 0.0)
 
 
 def table(rows: list[dict]) -> str:
@@ -161,13 +199,14 @@ def table(rows: list[dict]) -> str:
            "est. step / best's | MFU est. / published | kernel eff. implied | planner's best |",
            "|---|---:|---:|---|:-:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        versus = (f"{r['mfu']:.2f} / {r['pub_mfu']:.2f} = {r['mfu'] / r['pub_mfu']:.2f} | {r['implied']:.2f}"
+                  if r["pub_mfu"] else f"{r['mfu']:.2f} / not published | -")
         out.append(f"| {r['run'].name} | {r['spec'].num_params / 1e9:.0f}B | {r['run'].gpus} | {r['pub'].layout} | "
                    f"{'yes' if r['pub'].fits else 'no'} | {r['rank']} of {len(r['plans'])} | {r['mesh_rank']} | "
-                   f"{r['ratio']:.2f} | {r['mfu']:.2f} / {r['pub_mfu']:.2f} = {r['mfu'] / r['pub_mfu']:.2f} | "
-                   f"{r['implied']:.2f} | {r['best'].layout} |")
+                   f"{r['ratio']:.2f} | {versus} | {r['best'].layout} |")
     out.append("")
     out.append("rank: the published layout (fields the paper leaves open filled with the planner's best) among the "
-               "planner's candidates; mesh rank: the best candidate with the published dp, tp, pp, cp. kernel eff. "
+               "planner's candidates; mesh rank: the best candidate with the published dp, tp, pp, cp (and ep). kernel eff. "
                "implied: the kernels' efficiency at which the planner's MFU for the published layout would equal the "
                "published MFU (the planner's own: " + ("the GPU's measured matmul ceiling)." if NEW_API else "0.4)."))
     return "\n".join(out)
