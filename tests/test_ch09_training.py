@@ -93,3 +93,15 @@ def test_killed_rank_then_resume_on_fewer_ranks_continues_the_curve(tmp_path, no
     resumed = train(TrainConfig(strategy="single", resume=True, **{**cfg, "ckpt_every": 0}))
     assert resumed.resumed_from == 3
     assert max(abs(a - b) for a, b in zip(resumed.loss, full.loss)) < 1e-5
+
+
+def test_accumulation_and_recomputation_do_not_change_the_curve():
+    torch.set_num_threads(1)
+    cfg = dict(steps=3, **TINY)
+    plain = train(TrainConfig(**cfg)).loss
+    accumulated = train(TrainConfig(accumulate=4, **cfg)).loss
+    recomputed = train(TrainConfig(recompute=True, **cfg)).loss
+    assert max(abs(a - b) for a, b in zip(plain, accumulated)) < 1e-5   # the mean of 4 equal means
+    assert recomputed == plain                                         # the same ops, run twice
+    with pytest.raises(ValueError, match="must divide"):
+        train(TrainConfig(accumulate=3, **cfg))
