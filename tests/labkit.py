@@ -49,3 +49,31 @@ def run(lab: str, task: str, ns: types.SimpleNamespace):
     from distlab.checks import run_task
     t = lab_module(lab).TASKS[task]
     return run_task(t, [getattr(ns, name) for name in t.answers])
+
+
+def strings(lines) -> list[str]:
+    """Verdict lines as the learner reads them."""
+    return [str(line) for line in lines]
+
+
+def only(task, world_size: int = 2):
+    """`task` restricted to its `world_size`-rank case(s) (a copy; the task itself is unchanged)."""
+    import copy
+    t = copy.copy(task)
+    t.cases = lambda: [c for c in task.cases() if c.world_size == world_size]
+    return t
+
+
+def task_lines(task, ns: types.SimpleNamespace) -> list[str]:
+    """Every verdict line of `task` (a Task object, perhaps `only(...)`) for the answers in `ns`."""
+    from distlab.checks import run_task
+    return strings(run_task(task, [getattr(ns, a) for a in task.answers]))
+
+
+def case_lines(task, ns: types.SimpleNamespace, n: int) -> list[str]:
+    """The verdict lines of `task`'s case on `n` ranks only, judged as `run_task` judges them."""
+    from distlab.checks.task import launch_exercise, reference_of, validate
+    case = next(c for c in task.cases() if c.world_size == n)
+    outputs = launch_exercise(task, case, tuple(getattr(ns, a) for a in task.answers))
+    validate(outputs)
+    return strings(task.judge(case, outputs, reference_of(task, case)))

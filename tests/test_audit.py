@@ -45,6 +45,7 @@ def _host_bucket_buffer():
 def _host_tensor_into_all_reduce():
     t = torch.ones(16)
     dist.all_reduce(t)
+    return t.tolist()
 
 
 def _host_bucket_in_a_grad_hook():
@@ -88,8 +89,10 @@ def test_each_defect_class_is_caught_with_its_line(fn, words, no_orphans):
 
 def test_the_same_defects_pass_silently_without_the_audit(no_orphans):
     # ... which is why the audit exists: on CPU ranks these bugs are invisible.
-    run_on_ranks(_host_tensor_into_all_reduce, 2, audit=False)
-    run_on_ranks(_host_batch, 2, audit=False)
+    # the right sums and the same logits on both ranks: nothing on a CPU rank says the tensors had no device
+    assert run_on_ranks(_host_tensor_into_all_reduce, 2, audit=False) == [[2.0] * 16] * 2
+    logits = run_on_ranks(_host_batch, 2, audit=False)
+    assert logits[0] == logits[1] and logits[0] == logits[0] and abs(logits[0]) > 0   # finite, not NaN, not 0
 
 
 def test_environment_variable_turns_the_audit_on(monkeypatch, no_orphans):

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from labkit import answers, run
+from labkit import answers, run, strings as _lines
 
 CHEAT = '''
 def ring_all_reduce(tensor, op=dist.ReduceOp.SUM):
@@ -33,10 +33,6 @@ def ring_all_gather(tensor):
 '''
 
 
-def _lines(lines):
-    return [str(line) for line in lines]
-
-
 def test_calling_the_library_passes_values_and_fails_traffic(no_orphans):
     out = _lines(run("01_collectives", "all_reduce", answers("01_collectives", replace={"ring_all_reduce": CHEAT})))
     assert out[0].startswith("PASS all_reduce, 2 ranks, values")
@@ -59,7 +55,7 @@ def test_a_deadlock_is_reported_in_seconds_with_its_case_and_line(no_orphans, sh
     took = time.monotonic() - start
     assert took < 60, took   # one stall window, then the remaining cases are skipped
     assert out[0].startswith(f"FAIL all_gather, 2 ranks, values: hung: rank(s) [1] waited {short_stall} s")
-    assert "(case: 1 elements, float32, sum)" in out[0]
+    assert "(case: 1 element, float32)" in out[0]
     # the learner's function, its file (here the test's name for the cell) and line: the last step's wait
     assert "rank 1 waits in ring_all_gather (replaced ring_all_gather, line 10)" in out[0], out[0]
     # the rank that never sent: rank 0 skipped its last step and returned
@@ -96,7 +92,7 @@ def test_a_busy_loop_is_stopped_as_a_livelock_naming_its_line(no_orphans):
     assert took < 30, took
     head = f"FAIL all_gather, 2 ranks, values: never finished: rank(s) [0, 1] were still working after "
     assert out[0].startswith(head + f"{LIVELOCK_FLOOR_S:g} s of CPU time"), out[0]
-    assert "(case: 1 elements, float32, sum)" in out[0]
+    assert "(case: 1 element, float32)" in out[0]
     # the stack sample lands somewhere in the loop's body (lines 8 to 12 of the cell)
     import re
     lines = re.findall(r"rank (\d) was at ring_all_gather \(replaced ring_all_gather, line (\d+)\)", out[0])

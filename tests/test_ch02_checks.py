@@ -1,29 +1,15 @@
 """Chapter 2's graded checks catch wrong, cheating and hanging answers, not only missing ones.
 
-To stay fast, most tests run a task's 2-rank case only (`_only`).
+To stay fast, most tests run a task's 2-rank case only (`labkit.only`).
 """
 from __future__ import annotations
 
-import copy
 import time
 
-from distlab.checks import run_task
 from distlab.checks.ch02 import TASKS
-from labkit import answers
+from labkit import answers, only, task_lines as _lines
 
 LAB = "02_ddp"
-
-
-def _only(name: str, world_size: int = 2):
-    """Task `name` restricted to its `world_size`-rank case."""
-    task = TASKS[name]
-    t = copy.copy(task)
-    t.cases = lambda: [c for c in task.cases() if c.world_size == world_size]
-    return t
-
-
-def _lines(task, ns) -> list[str]:
-    return [str(line) for line in run_task(task, [getattr(ns, a) for a in task.answers])]
 
 
 # The solution passing every line is solutions/02_ddp.ipynb under nbval (every case of every check cell against
@@ -43,7 +29,7 @@ class NaiveDDP(NaiveDDP):
 
 
 def test_a_sum_instead_of_a_mean_fails_the_parameters_but_not_the_traffic(no_orphans):
-    out = _lines(_only("naive"), answers(LAB, replace={"NaiveDDP": SUM_NOT_MEAN}))
+    out = _lines(only(TASKS["naive"]), answers(LAB, replace={"NaiveDDP": SUM_NOT_MEAN}))
     assert out[0].startswith("PASS NaiveDDP: initial broadcast")
     assert out[1].startswith("FAIL NaiveDDP, 2 ranks, frozen weights: max |rank 0's")
     assert out[2].startswith("FAIL NaiveDDP, 2 ranks, tied weights")
@@ -59,7 +45,7 @@ class NaiveDDP(NaiveDDP):
 
 
 def test_skipping_the_broadcast_fails_only_the_broadcast_line(no_orphans):
-    out = _lines(_only("naive"), answers(LAB, replace={"NaiveDDP": NO_BROADCAST}))
+    out = _lines(only(TASKS["naive"]), answers(LAB, replace={"NaiveDDP": NO_BROADCAST}))
     assert out[0].startswith("FAIL NaiveDDP: initial broadcast from rank 0: max |rank 1's")
     assert all(line.startswith("PASS") for line in out[1:]), out
 
@@ -81,7 +67,7 @@ class NaiveDDP(NaiveDDP):
 
 
 def test_rank_0_s_weights_rebuilt_without_a_broadcast_fail_the_broadcast_line(no_orphans):
-    out = _lines(_only("naive"), answers(LAB, replace={"NaiveDDP": REBUILT_RANK0}))
+    out = _lines(only(TASKS["naive"]), answers(LAB, replace={"NaiveDDP": REBUILT_RANK0}))
     assert out[0] == ("FAIL NaiveDDP: initial broadcast from rank 0: rank 0: construction called nothing; rank 0's "
                       "weights reach every rank by broadcast"), out     # the values matched: rank 1's too
     assert all(line.startswith("PASS") for line in out[1:]), out
@@ -95,7 +81,7 @@ class OverlappedDDP(NaiveDDP):
 
 
 def test_an_overlapped_wrapper_that_waits_for_backward_fails_the_traffic_line(no_orphans):
-    out = _lines(_only("overlapped"), answers(LAB, replace={"OverlappedDDP": NAIVE_AS_OVERLAPPED}))
+    out = _lines(only(TASKS["overlapped"]), answers(LAB, replace={"OverlappedDDP": NAIVE_AS_OVERLAPPED}))
     assert all(line.startswith("PASS") for line in out[:3]), out
     assert out[3] == ("FAIL OverlappedDDP, 2 ranks: collectives and bytes: rank 0: 28 of 28 all-reduces started in "
                       "finish_gradient_synchronization(); launch them from the hooks, during backward")
@@ -156,7 +142,7 @@ def finish_gradient_synchronization(self):
 
 def test_one_all_reduce_for_every_bucket_fails_the_traffic_line(no_orphans):
     ns = answers(LAB, replace={"_on_grad": ONE_BIG_ALL_REDUCE})
-    out = _lines(_only("bucketed"), ns)
+    out = _lines(only(TASKS["bucketed"]), ns)
     assert all(line.startswith("PASS") for line in out[:3]), out
     assert out[3] == "FAIL BucketedDDP, 2 ranks: collectives and bytes: rank 0: 1 all-reduces for 5 buckets: one per bucket"
 
@@ -202,7 +188,7 @@ class BucketedDDP(BucketedDDP):
 
 
 def test_a_bucket_made_without_a_device_is_caught_by_the_audit(no_orphans):
-    out = _lines(_only("bucketed"), answers(LAB, replace={"BucketedDDP": HOST_BUCKETS}))
+    out = _lines(only(TASKS["bucketed"]), answers(LAB, replace={"BucketedDDP": HOST_BUCKETS}))
     assert all(line.startswith("FAIL") and "raised DeviceAuditError: device audit: view_as() mixes" in line
                and "created without a device" in line for line in out), out
 

@@ -1,28 +1,15 @@
 """Chapter 3's graded checks catch wrong, cheating and hanging answers, not only missing ones.
 
-To stay fast, most tests run one case of a task (`_only`).
+To stay fast, most tests run one case of a task (`labkit.only`).
 """
 from __future__ import annotations
 
-import copy
 import time
 
-from distlab.checks import run_task
 from distlab.checks.ch03 import TASKS
-from labkit import answer_sources, answers
+from labkit import answer_sources, answers, only, task_lines as _lines
 
 LAB = "03_zero1"
-
-
-def _only(name: str, world_size: int = 2):
-    task = TASKS[name]
-    t = copy.copy(task)
-    t.cases = lambda: [c for c in task.cases() if c.world_size == world_size]
-    return t
-
-
-def _lines(task, ns) -> list[str]:
-    return [str(line) for line in run_task(task, [getattr(ns, a) for a in task.answers])]
 
 
 # The stubs failing every line is tests/test_labs.py::test_unfilled_lab_fails_every_graded_line (every lab).
@@ -44,7 +31,7 @@ class ShardedOptimizer(ShardedOptimizer):
 
 
 def test_an_optimizer_on_every_parameter_fails_the_shard_line(no_orphans):
-    out = _lines(_only("init"), answers(LAB, replace={"ShardedOptimizer": UNSHARDED}))
+    out = _lines(only(TASKS["init"]), answers(LAB, replace={"ShardedOptimizer": UNSHARDED}))
     assert out[0].startswith("PASS") and out[1].startswith("PASS"), out
     assert out[2].startswith("FAIL ShardedOptimizer.__init__, 2 ranks: the inner optimizer holds this rank's shard "
                              "only: frozen weights, rank 0: the inner optimizer holds 33664 elements, expected 16832"), out
@@ -65,7 +52,7 @@ REBUILT_START = ("        dist.broadcast(self.flat_param, src=0)\n", '''\
 def test_rank_0_s_weights_rebuilt_without_a_broadcast_fail_the_start_line(no_orphans):
     src = answer_sources(LAB)[0]
     assert REBUILT_START[0] in src, "the solution changed: update this test"
-    out = _lines(_only("init"), answers(LAB, replace={"ShardedOptimizer": src.replace(*REBUILT_START)}))
+    out = _lines(only(TASKS["init"]), answers(LAB, replace={"ShardedOptimizer": src.replace(*REBUILT_START)}))
     assert out[0].startswith("PASS") and out[2].startswith("PASS"), out
     assert out[1] == ("FAIL ShardedOptimizer.__init__, 2 ranks: starts from rank 0's weights: frozen weights, rank 0: "
                       "construction called nothing; expected broadcast only (rank 0's weights to every rank)"), out   # values matched
@@ -86,7 +73,7 @@ class ShardedOptimizer(ShardedOptimizer):
 
 
 def test_a_buffer_made_without_a_device_is_caught_by_the_audit(no_orphans):
-    out = _lines(_only("init"), answers(LAB, replace={"ShardedOptimizer": HOST_BUFFERS}))
+    out = _lines(only(TASKS["init"]), answers(LAB, replace={"ShardedOptimizer": HOST_BUFFERS}))
     assert all("raised DeviceAuditError: device audit:" in line and "created without a device" in line
                for line in out), out
 
@@ -109,11 +96,11 @@ def _reduce_scatter_grad(self):
 
 
 def test_the_reduce_scatter_catches_a_sum_and_an_all_reduce(no_orphans):
-    out = _lines(_only("reduce_scatter_grad"), answers(LAB, replace={"r": NO_MEAN}))
+    out = _lines(only(TASKS["reduce_scatter_grad"]), answers(LAB, replace={"r": NO_MEAN}))
     assert out[0].startswith("FAIL _reduce_scatter_grad, 2 ranks, values: max |frozen weights, rank 0's gradient "
                              "shard - reference|"), out
     assert out[1].startswith("PASS"), out
-    out = _lines(_only("reduce_scatter_grad"), answers(LAB, replace={"r": ALL_REDUCE_AND_SLICE}))
+    out = _lines(only(TASKS["reduce_scatter_grad"]), answers(LAB, replace={"r": ALL_REDUCE_AND_SLICE}))
     assert out[0].startswith("PASS"), out
     assert out[1] == ("FAIL _reduce_scatter_grad, 2 ranks, traffic: rank 0 called all_reduce: expected only "
                       "reduce_scatter"), out
@@ -129,7 +116,7 @@ def _all_gather_params(self):
 
 
 def test_an_all_gather_by_broadcasts_fails_the_traffic_line(no_orphans):
-    out = _lines(_only("all_gather_params"), answers(LAB, replace={"a": BROADCASTS}))
+    out = _lines(only(TASKS["all_gather_params"]), answers(LAB, replace={"a": BROADCASTS}))
     assert out[0].startswith("PASS"), out
     assert out[1] == ("FAIL _all_gather_params, 2 ranks, traffic: rank 0 called broadcast: expected only "
                       "all_gather"), out
@@ -143,7 +130,7 @@ def _all_gather_params(self):
 
 
 def test_a_step_without_the_all_gather_fails_values_and_traffic(no_orphans):
-    out = _lines(_only("step"), answers(LAB, replace={"a": NO_ALL_GATHER}))
+    out = _lines(only(TASKS["step"]), answers(LAB, replace={"a": NO_ALL_GATHER}))
     assert [line.split(":")[0] for line in out if line.startswith("PASS")] == [
         "PASS ShardedOptimizer, 2 ranks, frozen weights", "PASS ShardedOptimizer, 2 ranks, tied weights"], out
     assert out[-1] == ("FAIL ShardedOptimizer, 2 ranks: collectives and bytes: rank 0: 1 reduce-scatters and "
@@ -164,7 +151,7 @@ def _reduce_scatter_grad(self):
 
 
 def test_every_step_s_traffic_is_judged_not_only_the_first(no_orphans):
-    out = _lines(_only("step"), answers(LAB, replace={"a": LATER_ALL_REDUCE}))
+    out = _lines(only(TASKS["step"]), answers(LAB, replace={"a": LATER_ALL_REDUCE}))
     assert all(line.startswith("PASS") for line in out[:-1]), out
     assert out[-1] == ("FAIL ShardedOptimizer, 2 ranks: collectives and bytes: rank 0: unexpected collectives in a "
                        "step (step 1): {'all_reduce': 1}"), out
@@ -222,7 +209,7 @@ def _all_gather_params(self):
 def test_shards_rebuilt_from_the_package_s_pattern_fail_values_under_grading(no_orphans):
     from test_ch08_checks import graded_lines
     ns = answers(LAB, replace={"a": PREDICTED_GATHER})
-    mine = _lines(_only("all_gather_params"), ns)
+    mine = _lines(only(TASKS["all_gather_params"]), ns)
     assert mine[0].startswith("PASS _all_gather_params, 2 ranks, values"), mine
     assert mine[1] == "FAIL _all_gather_params, 2 ranks, traffic: rank 0 issued no all-gather", mine
     graded = graded_lines("all_gather_params", ns, lab=LAB)     # each rank's shard drawn: only it holds it

@@ -12,23 +12,9 @@ import pytest
 
 from distlab.course.zero.buckets import GradBucket
 from distlab.checks.ch04 import TASKS
-from labkit import answer_sources, answers, run
+from labkit import answer_sources, answers, case_lines, run, strings as _lines
 
 LAB = "04_zero2"
-
-
-def _lines(lines):
-    return [str(line) for line in lines]
-
-
-def _case(task: str, ns, n: int):
-    """The verdict lines of one task's case on `n` ranks only (references cached as in run_task)."""
-    from distlab.checks.task import launch_exercise, reference_of, validate
-    t = TASKS[task]
-    case = next(c for c in t.cases() if c.world_size == n)
-    outputs = launch_exercise(t, case, tuple(getattr(ns, a) for a in t.answers))
-    validate(outputs)
-    return _lines(t.judge(case, outputs, reference_of(t, case)))
 
 
 # ---- no ranks: the bookkeeping ------------------------------------------------------------------
@@ -79,7 +65,7 @@ def test_a_skipped_broadcast_is_reported_as_a_hang_in_seconds(no_orphans, short_
     out = _lines(run(LAB, "construct", answers(LAB, replace={"ZeRO2": hang})))
     assert time.monotonic() - start < 90
     assert out[0].startswith("FAIL construct, 2 ranks: every rank starts from rank 0's weights: hung: rank(s) [0]"), out
-    assert "(case: ZeRO2(...) on the plain model, 2 ranks)" in out[0] and "rank 0 waits in __init__ (" in out[0]
+    assert "(case: ZeRO2(...) on the plain model, 2 ranks)" in out[0] and "rank 0 waits in broadcast, called from __init__ (" in out[0]
     assert "every rank must build the same buckets" in out[0]
     assert out[2:] == [f"FAIL construct, 4 ranks: {k}: not run: an earlier case (2 ranks) hung"
                        for k in ("every rank starts from rank 0's weights",
@@ -114,7 +100,7 @@ def __init__(self, params, optimizer_class, bucket_size_mb=1.0, **defaults):
 
 
 def test_parameters_outside_the_flat_buffer_fail_the_layout_line(no_orphans):
-    out = _case("construct", answers(LAB, replace={"init": NO_VIEWS}), 2)
+    out = case_lines(TASKS["construct"], answers(LAB, replace={"init": NO_VIEWS}), 2)
     assert out[0].startswith("PASS construct, 2 ranks: every rank starts from rank 0's weights")
     assert out[1].startswith("FAIL construct, 2 ranks: one flat buffer, rank r owns chunk r of every bucket: "
                              "rank 0, plain model: the trainable parameters live in ")
@@ -156,7 +142,7 @@ def _on_grad(self, p):
     (ALL_REDUCE, "during backward and _retire() expected only reduce-scatters, saw {'all_reduce'"),
 ], ids=["sync-at-the-end", "all-reduce"])
 def test_right_values_at_the_wrong_time_or_cost_fail_the_when_line(source, why, no_orphans):
-    out = _case("backward", answers(LAB, replace={"_on_grad": source}), 2)
+    out = case_lines(TASKS["backward"], answers(LAB, replace={"_on_grad": source}), 2)
     assert out[0].startswith("PASS backward, 2 ranks: summed gradient chunks"), out
     assert out[1].startswith("FAIL backward, 2 ranks: one async reduce-scatter per bucket, gradients freed: rank 0: ")
     assert why in out[1], out[1]
@@ -176,7 +162,7 @@ def step(self, closure=None):
 
 
 def test_a_sum_instead_of_a_mean_fails_the_values_not_the_traffic(no_orphans):
-    out = _case("step", answers(LAB, replace={"step": NO_MEAN}), 2)
+    out = case_lines(TASKS["step"], answers(LAB, replace={"step": NO_MEAN}), 2)
     assert out[0].startswith("FAIL step, 2 ranks: matches one process") and "SGD, tied weights" in out[0], out
     assert out[2].startswith("PASS step, 2 ranks: reduce-scatters in backward"), out
 
@@ -191,6 +177,6 @@ def _retire(self):
 
 
 def test_bucket_buffers_kept_alive_fail_both_memory_lines(no_orphans):
-    out = _case("memory", answers(LAB, replace={"_retire": KEEP_BUCKETS}), 2)
+    out = case_lines(TASKS["memory"], answers(LAB, replace={"_retire": KEEP_BUCKETS}), 2)
     assert out[0].startswith("FAIL memory, 2 ranks: 2Ψ + 14Ψ/N bytes at a step boundary: rank 0 holds "), out
     assert out[1].startswith("FAIL memory, 2 ranks: never a full-size gradient (memory meter): rank 0 held "), out

@@ -145,3 +145,32 @@ def test_interrupting_a_check_prints_one_line(capsys, monkeypatch):
     out = capsys.readouterr()
     assert out.out.splitlines() == ["interrupted: the check of 'all_gather' was stopped before it finished "
                                     "(no rank is left running)"] and out.err == ""
+
+
+def test_a_check_prints_a_table_then_its_lines_with_a_shared_reason_once():
+    from distlab.checks.ch01 import TASKS
+    from distlab.checks.task import Line, verdict_text
+    task = TASKS["all_gather"]
+    why = "hung: rank(s) [1] waited 5 s for each other"
+    skip = "not run: an earlier case (3 ranks) hung"
+    lines = [Line("all_gather, 2 ranks, values", True, "right on every rank in 12 cases"),
+             Line("all_gather, 2 ranks, traffic", False, "rank 0 called all_reduce: use only send/recv"),
+             Line("all_gather, 3 ranks, values", False, why), Line("all_gather, 3 ranks, traffic", False, why),
+             Line("all_gather, 4 ranks, values", False, skip), Line("all_gather, 4 ranks, traffic", False, skip)]
+    assert verdict_text(task, lines) == [
+        "all_gather  2 ranks  3 ranks  4 ranks",
+        "  values    PASS     FAIL     -",
+        "  traffic   FAIL     FAIL     -",
+        "PASS all_gather, 2 ranks, values: right on every rank in 12 cases",
+        "FAIL all_gather, 2 ranks, traffic: rank 0 called all_reduce: use only send/recv",
+        "FAIL all_gather, 3 ranks, values", "FAIL all_gather, 3 ranks, traffic", f"  why: {why}",
+        "FAIL all_gather, 4 ranks, values", "FAIL all_gather, 4 ranks, traffic", f"  why: {skip}"]
+
+
+def test_a_whole_multiple_of_the_reference_gets_a_hint():
+    with pytest.raises(CheckFailed, match=r"; yours is 4x the reference: a sum where a mean is expected\?$"):
+        compare(torch.tensor([4.0, 8.0, -2.0]), torch.tensor([1.0, 2.0, -0.5]))
+    with pytest.raises(CheckFailed, match=r"; yours is 1/2 of the reference: a mean where a sum is expected"):
+        compare(torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0]))
+    with pytest.raises(CheckFailed, match=r"\(tolerance atol=1e-06, rtol=1e-05\)$"):   # no hint: not a multiple
+        compare(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]))

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab.checks.labs import CHECK_TAG, build_labs, expected_lines, is_check_cell, make_lab, strip_answers
+from distlab.checks.labs import verdict_lines, CHECK_TAG, build_labs, expected_lines, is_check_cell, make_lab, strip_answers
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -40,10 +40,14 @@ def test_solution_check_outputs_all_pass(solution):
     checks = [c for c in nb.cells if c.cell_type == "code" and is_check_cell(c)]
     assert checks, f"{solution.name} has no graded check cell"
     for cell in checks:
-        lines = [l for l in _stdout(cell).splitlines() if l.strip()]
+        text = _stdout(cell)
+        lines = verdict_lines(cell)
         assert lines, f"check cell without committed verdict in {solution.name}:\n{cell.source}"
         bad = [l for l in lines if not l.startswith("PASS ")]
         assert not bad, f"{solution.name}: committed check output is not all PASS: {bad}"
+        # the table above the lines (verdict_text): no FAIL, no case left unrun
+        table = [l for l in text.splitlines() if l.strip() and not l.startswith(("PASS ", "FAIL "))]
+        assert not any(w in l.split() for l in table for w in ("FAIL", "-")), (solution.name, table)
 
 
 def _check_calls(nb) -> list[tuple[str, list[str]]]:

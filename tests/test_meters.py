@@ -226,3 +226,13 @@ def test_memory_does_not_count_a_collectives_hold_on_a_dropped_temporary(functio
     out = distlab.launch(_temporary_into_a_collective, 2, args=(200, functional), backend="gloo")
     assert [wrong for wrong, _ in out] == [0, 0]
     assert sum(last for _, last in out) > 0, "gloo's worker never dropped a temporary last: nothing was tested"
+
+
+def test_one_storage_walker_counts_each_storage_once_and_optimizer_groups_on_request():
+    from distlab.meters.memory import held_bytes, storages
+    model = torch.nn.Linear(4, 2)                                  # 10 fp32 parameters: 40 bytes
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shared = {"a": model.weight, "b": model.weight.view(-1)}       # a view: the same storage, once
+    assert held_bytes(model, shared) == 40
+    assert held_bytes(opt) == 0 and sum(storages(opt, optimizer_groups=True).values()) == 40
+    assert set(storages(model)) == {("cpu", model.weight.data_ptr()), ("cpu", model.bias.data_ptr())}

@@ -86,6 +86,12 @@ def _naive_sent(numel: int, n: int, r: int) -> set[int]:
     return {(n - 1) * numel if r == 0 else numel}
 
 
+def _label(kind: str, numel: int, dtype: str, op: str) -> str:
+    """'7 elements, float32, sum': a case as a learner reads it (an all-gather reduces nothing: no op)."""
+    parts = [f"{numel} element{'s' if numel != 1 else ''}", dtype.replace("torch.", "")]
+    return ", ".join(parts + ([] if kind == "all_gather" else [op]))
+
+
 def _cases(kind: str) -> list[tuple[int, torch.dtype, str]]:
     ops = ("sum",) if kind == "all_gather" else tuple(OPS)
     return [(numel, dtype, op) for numel in SIZES for dtype in DTYPES for op in ops]
@@ -114,7 +120,7 @@ class RingTask(Task):
         r, n, dev = distlab.rank(), distlab.world_size(), distlab.device()
         results, comm = {}, {}
         for numel, dtype, op in _cases(self.kind):
-            distlab.engine.runtime.progress(f"{numel} elements, {str(dtype).replace('torch.', '')}, {op}")
+            distlab.engine.runtime.progress(_label(self.kind, numel, str(dtype), op))
             x = _start(r, numel, dtype, inputs).to(dev)
             if self.kind == "all_gather":
                 a, b = chunk_bounds(numel, n)[r]
@@ -157,8 +163,7 @@ class RingTask(Task):
                     try:
                         compare(mine, want, what="your result")
                     except CheckFailed as exc:
-                        numel, dtype, op = key
-                        raise CheckFailed(f"rank {r}, {numel} elements, {dtype.replace('torch.', '')}, {op}: {exc}")
+                        raise CheckFailed(f"rank {r}, {_label(self.kind, *key)}: {exc}")
             return f"right on every rank in {len(reference)} cases"
 
         def traffic() -> str:
@@ -166,7 +171,7 @@ class RingTask(Task):
                 for key in reference:
                     stats = out["comm"][key]
                     numel, dtype, op = key
-                    where = f"rank {r}, {numel} elements, {dtype.replace('torch.', '')}, {op}"
+                    where = f"rank {r}, {_label(self.kind, *key)}"
                     other = sorted(set(stats.calls) - {"send", "recv"})
                     if other:
                         raise CheckFailed(f"rank {r} called {', '.join(other)}: use only send/recv (isend/irecv)")

@@ -146,7 +146,9 @@ def _train_on(variant: str, optimizer: Any, dtype: torch.dtype, batches: list) -
 
 class InitTask(Task):
     name, answers = "init", ("ShardedOptimizer",)
-    hang_hint = HANG_HINT
+    # the constructor's only collective is the broadcast of rank 0's weights
+    hang_hint = ("The constructor hangs when the ranks do not broadcast the same tensors in the same order: "
+                 "every rank must broadcast every parameter from rank 0 (src=0), the same ones, in the same order.")
 
     def cases(self) -> list[Case]:
         return [Case(n, (f"ShardedOptimizer.__init__, {n} ranks: flat buffers and views",

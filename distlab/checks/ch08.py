@@ -30,11 +30,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import distlab
-from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, grader,
-                                 judged, load_weights)
+from distlab.checks.task import Case, Line, Task, grader, judged, load_weights
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import track_comm, track_memory
 
@@ -48,56 +46,16 @@ from distlab.meters import sync
 from distlab.course.offload import host_like
 from distlab.course.pipeline.stages import activation_shape, stage_loss"""
 
-PRESET, SEED, LAYERS, MICRO = "tiny", 0, 4, 2      # 4 blocks: up to 4 stages; 2 rows per micro-batch
-OFFLOAD_LR, OFFLOAD_WD, OFFLOAD_STEPS, OFFLOAD_BATCH = 5e-2, 0.1, 3, 8
-
-PIPE_HINT = ("A pipeline hangs when a rank waits for a message its neighbour never sends: every recv "
-             "needs a send of the same shape, in the same order, on the neighbour. In 1F1B, post the send "
-             "of a forward's output together with the receive of the next gradient (dist.batch_isend_irecv).")
-
-
-def _batch(m: int, config: Any, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    from distlab.course.models import synthetic_batch
-    return synthetic_batch(0, MICRO * m, config, device=device)
-
-
-# ---- drawn inputs (grading only): a stage gets its own weights, the first stage the tokens, the last the targets
-
-def _drawn_stages(rng: torch.Generator, stages: int, rows: int, n_layers: int) -> tuple[list, torch.Tensor,
-                                                                                      torch.Tensor]:
-    """(each stage's weights under "w.", the tokens, the targets) of a model and a batch from drawn seeds."""
-    from distlab.course.models import build_model, synthetic_batch
-    from distlab.course.pipeline.stages import Stage
-    model = build_model(PRESET, seed=draw_seed(rng), n_layers=n_layers, device="cpu")
-    x, y = synthetic_batch(0, rows, model.config, seed=draw_seed(rng), device="cpu")
-    return [drawn_weights(Stage(model, s, stages), "w.") for s in range(stages)], x, y
-
-
-def _model_of_stages(weights: list[dict[str, torch.Tensor]], n_layers: int) -> torch.nn.Module:
-    """In the grader: the whole model with each stage's drawn weights (`weights[s]`: stage s's inputs)."""
-    from distlab.course.models import build_model
-    from distlab.course.pipeline.stages import Stage
-    model = build_model(PRESET, seed=SEED, n_layers=n_layers, device="cpu")
-    for s, mine in enumerate(weights):
-        load_weights(Stage(model, s, len(weights)), mine, "w.")
-    return model
-
-
-def _stage_batch(inputs: dict[str, torch.Tensor], rows: int, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """On a rank: its drawn tokens and targets where it has them; elsewhere zeros of their shape (only
-    their shape is read: `activation_bytes` on a middle stage; the learner gets None for them)."""
-    dev = distlab.device()
-    blank = torch.zeros(rows, config.seq_len, dtype=torch.long)
-    return inputs.get("x", blank).to(dev), inputs.get("y", blank).to(dev)
+from distlab.checks.ch08_common import (LAYERS, MICRO, PIPE_1F1B_HINT, PIPE_HINT, PRESET, SEED,  # noqa: F401
+                                        _batch, _drawn_stages, _model_of_stages, _stage_batch)
 
 
 class PipelineTask(Task):
     """`kind`: 'forward' (inference only), 'gpipe' or '1f1b'."""
 
-    hang_hint = PIPE_HINT
-
     def __init__(self, kind: str, answer: str, cases: tuple[tuple[int, int], ...]) -> None:
         self.name = self.kind = kind
+        self.hang_hint = PIPE_1F1B_HINT if kind == "1f1b" else PIPE_HINT
         self.answers = (answer,)
         self._cases = cases
 
@@ -232,155 +190,6 @@ class PipelineTask(Task):
         return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
 
 
-# ---- offload -------------------------------------------------------------------------------------
-
-def _offload_model(seed: int = SEED, device: Any = None) -> Any:
-    from distlab.course.models import build_model
-    return build_model(PRESET, seed=seed, device=device).to(torch.bfloat16)
-
-
-def _offload_start(inputs: dict | None) -> tuple[Any, Any]:
-    """On the rank: the bf16 model (its drawn starting weights under grading) and step s's batch, `batch(s)`."""
-    from distlab.course.models import synthetic_batch
-    model = _offload_model()
-    if inputs is None:
-        return model, lambda step: synthetic_batch(step, OFFLOAD_BATCH, model.config)
-    load_weights(model, inputs, "w.")
-    dev = distlab.device()
-    return model, lambda step: (inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev))
-
-
-def _plain_offload_reference(inputs: dict | None = None) -> dict:
-    """MixedPrecisionAdam on the rank's device: what the offloaded optimizer must reproduce (from the drawn
-    `inputs` under grading, all of them: one rank)."""
-    from distlab.course.models import lm_loss
-    from distlab.engine.precision import MixedPrecisionAdam
-    model, batch = _offload_start(inputs)
-    opt = MixedPrecisionAdam(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
-    for step in range(OFFLOAD_STEPS):
-        x, y = batch(step)
-        lm_loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {n: q.detach().clone() for n, q in model.named_parameters()}
-
-
-class OffloadTask(Task):
-    """`kind`: 'state' (construction), 'grads' (the backward), 'step' (three full steps)."""
-
-    def __init__(self, kind: str, lines: tuple[str, ...]) -> None:
-        self.name, self.kind, self.answers = f"offload_{kind}", kind, ("OffloadAdam",)
-        self._lines = lines
-
-    def cases(self) -> list[Case]:
-        return [Case(1, tuple(f"{self.name}, {line}" for line in self._lines))]
-
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]] | None:
-        """Under grading, for the tasks that train: drawn starting weights and each step's batch."""
-        if self.kind == "state":
-            return None
-        steps = 1 if self.kind == "grads" else OFFLOAD_STEPS
-        mine = drawn_weights(_offload_model(draw_seed(rng), device="cpu"), "w.")
-        return [{**mine, **drawn_batch_shards(rng, 1, steps, OFFLOAD_BATCH, PRESET)[0]}]
-
-    def exercise(self, case: Case, cls: Any, inputs: dict | None = None) -> dict:
-        from distlab.course.models import lm_loss, num_params
-        from distlab.course.offload import host_device_split, track_transfers
-        model, batch = _offload_start(inputs)
-        psi = num_params(model)
-        distlab.engine.runtime.progress(f"offload_{self.kind}: building the optimizer")
-        opt = cls(model.parameters(), lr=OFFLOAD_LR, weight_decay=OFFLOAD_WD)
-        out: dict[str, Any] = {"psi": psi}
-        if self.kind == "state":
-            out["split"] = host_device_split(model, opt)
-            return out
-        steps = 1 if self.kind == "grads" else OFFLOAD_STEPS
-        out["steps"] = []
-        for step in range(steps):
-            distlab.engine.runtime.progress(f"offload_{self.kind}: step {step}")
-            x, y = batch(step)
-            with track_transfers(model) as backward:
-                lm_loss(model, x, y).backward()
-            left = [n for n, q in model.named_parameters() if q.grad is not None]
-            rec = {"backward": backward.stats(), "grads_left": left}
-            if self.kind == "step":
-                with track_transfers(model) as stepped:
-                    opt.step()
-                rec["step"] = stepped.stats()
-            out["steps"].append(rec)
-        if self.kind == "step":
-            out["params"] = {n: q.detach().clone() for n, q in model.named_parameters()}
-        return out
-
-    def reference(self, case: Case, inputs: list | None = None) -> Any:
-        if self.kind != "step":
-            return None
-        from distlab.engine.launch import launch
-        return launch(_plain_offload_reference, 1, args=(None if inputs is None else inputs[0],))[0]
-
-    def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:
-        o = outputs[0]
-        psi = o["psi"]
-        names = case.lines
-
-        def host() -> str:
-            split = o["split"]
-            expect(split["host"] >= 12 * psi,
-                   f"the optimizer keeps {split['host'] / psi:.1f} bytes per parameter off the model; the fp32 "
-                   "master weights, m and v alone are 12 per parameter: make them in __init__, on the host")
-            expect(split["host"] <= 18 * psi,
-                   f"the optimizer keeps {split['host'] / psi:.1f} bytes per parameter on the host; more than "
-                   "master, m, v (12) plus one fp32 gradient buffer and one 16-bit staging buffer (6)")
-            return "fp32 master weights, m and v live on the host"
-
-        def device() -> str:
-            split = o["split"]
-            expect(split["device"] <= 2 * psi,
-                   f"{split['device']} bytes on the device for {psi} parameters: only the 16-bit parameters "
-                   "(2 bytes each) may stay there")
-            return "only the 16-bit parameters stay on the device"
-
-        def streamed() -> str:
-            for k, rec in enumerate(o["steps"]):
-                b = rec["backward"]
-                expect(b["down_bytes"] == 2 * psi,
-                       f"step {k}: {b['down_bytes']} bytes went device -> host during the backward; expected "
-                       f"2Ψ = {2 * psi} (every 16-bit gradient once, copied with copy_ into a host buffer)")
-                expect(b["up_bytes"] == 0, f"step {k}: {b['up_bytes']} bytes went host -> device during the "
-                       "backward; parameters go up after the step")
-            return "every gradient went to the host during the backward: 2Ψ bytes"
-
-        def released() -> str:
-            for k, rec in enumerate(o["steps"]):
-                left = rec["grads_left"]
-                if left:
-                    raise CheckFailed(f"step {k}: after the backward {len(left)} parameters still hold a device "
-                                      f"gradient (e.g. {left[0]}): set p.grad = None once it is copied")
-            return "no gradient left on the device after the backward"
-
-        def values() -> str:
-            for name, want in reference.items():
-                mine = o["params"][name]
-                expect(mine.dtype == want.dtype, f"{name} is {mine.dtype}; the parameters must stay {want.dtype}")
-                compare(mine.double(), want.double(), atol=1e-6, rtol=2.0 ** -7, what=f"parameter {name}")
-            return (f"parameters equal MixedPrecisionAdam's after {OFFLOAD_STEPS} steps "
-                    "(to one bf16 rounding)")
-
-        def traffic() -> str:
-            for k, rec in enumerate(o["steps"]):
-                s = rec["step"]
-                expect(s["up_bytes"] == 2 * psi,
-                       f"step {k}: {s['up_bytes']} bytes went host -> device in step(); expected 2Ψ = {2 * psi} "
-                       "(every parameter once, in 16 bits: cast on the host, then copy)")
-                expect(s["down_bytes"] == 0, f"step {k}: {s['down_bytes']} bytes went device -> host in step(); "
-                       "the gradients are already on the host")
-            return "2Ψ bytes down during the backward and 2Ψ up after each step"
-
-        fns = {"host": host, "device": device, "streamed": streamed, "released": released,
-               "values": values, "traffic": traffic}
-        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
-
-
 # ---- schedule tables beyond 1F1B: interleaved and zero-bubble ------------------------------------------------
 
 class TableTask(Task):
@@ -477,7 +286,7 @@ class PredictTask(Task):
 
     name = "predict"
     answers = ("my_predictions", "one_f_one_b_step")
-    hang_hint = PIPE_HINT
+    hang_hint = PIPE_1F1B_HINT
 
     def cases(self) -> list[Case]:
         return [Case(4, ("predict, bubble", "predict, peak", "predict, bytes"), {"m": 8})]
@@ -528,180 +337,8 @@ class PredictTask(Task):
         return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
 
 
-# ---- a 2 x 2 x 2 step: pp x dp x tp on one mesh ---------------------------------------------------------------
-
-MESH_SHAPE, MESH_M, MESH_LAYERS = (2, 2, 2), 2, 2     # (pp, dp, tp); 2 micro-batches; one block per stage
-
-MESH_HINT = ("In the mesh, a stage's pipeline neighbours are the ranks before and after it in its pp group "
-             "(dist.get_process_group_ranks(groups['pp'])), not rank r - 1 and r + 1: with tp innermost, "
-             "rank r + 1 is your tp partner. Every recv needs a send of the same shape on that neighbour.")
-
-
-class Mesh3DTask(Task):
-    """`step_3d(stage, groups, x, y, m, micro_batch)` on 8 ranks, a (pp, dp, tp) = 2 x 2 x 2 mesh in the
-    course's order (`distlab.course.pipeline.mesh3d.MESH_ORDER`). Each rank gets its stage of the 2-block
-    "tiny" model (fp32) with its blocks cut over its tp group (`tp_stage`: Megatron's f and g inside),
-    its groups, and its dp replica's m micro-batches (tokens on the first stage, targets on the last).
-    The learner runs the pipeline between the stage's pp neighbours and averages the gradients over dp.
-
-    Lines: values (the last stage's loss, the replica's mean, and every rank's gradient, its tp slice,
-    equal one process's on the whole global batch); pp (send/recv only between pipeline neighbours: one
-    activation per micro-batch and link, exactly its bytes); dp (the gradients' average: 2(dp - 1)/dp of
-    the stage's gradient bytes in the dp group, all-reduce or reduce-scatter + all-gather, no other group);
-    tp (the stage's own f and g: 4 all-reduces per block and micro-batch in the tp group, exactly)."""
-
-    name = "step_3d"
-    answers = ("step_3d",)
-    hang_hint = MESH_HINT
-
-    def cases(self) -> list[Case]:
-        pp, dp, tp = MESH_SHAPE
-        head = f"step_3d, (pp, dp, tp) = ({pp}, {dp}, {tp}), m={MESH_M}"
-        return [Case(pp * dp * tp, tuple(f"{head}, {k}" for k in ("values", "pp", "dp", "tp")),
-                     {"shape": MESH_SHAPE, "m": MESH_M})]
-
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank its stage's weights (whole: `tp_stage` cuts them); a first-stage rank its dp
-        replica's tokens, a last-stage rank its replica's targets. Ranks in `distlab.mesh`'s row-major order."""
-        pp, dp, tp = case.args["shape"]
-        rows = case.args["m"] * MICRO
-        weights, x, y = _drawn_stages(rng, pp, dp * rows, MESH_LAYERS)
-        out = []
-        for r in range(pp * dp * tp):
-            s, d = r // (dp * tp), r // tp % dp
-            mine = dict(weights[s])
-            if s == 0:
-                mine["x"] = x[d * rows:(d + 1) * rows]
-            if s == pp - 1:
-                mine["y"] = y[d * rows:(d + 1) * rows]
-            out.append(mine)
-        return out
-
-    def exercise(self, case: Case, fn: Any, inputs: dict | None = None) -> dict:
-        from distlab.course.pipeline.mesh3d import MESH_ORDER, tp_stage
-        from distlab.course.pipeline.stages import build_stage
-        from distlab.course.tensor_parallel.model import track_comm_by_group
-        pp, dp, tp = case.args["shape"]
-        m = case.args["m"]
-        mesh = distlab.mesh(pp, dp, tp, names=MESH_ORDER)
-        coord = dict(zip(MESH_ORDER, mesh.get_coordinate()))
-        groups = {n: mesh.get_group(n) for n in MESH_ORDER}
-        ranks = {n: tuple(dist.get_process_group_ranks(g)) for n, g in groups.items()}
-        s = coord["pp"]
-        whole = build_stage(PRESET, s, pp, seed=SEED, n_layers=MESH_LAYERS)
-        if inputs is None:
-            x, y = _batch(dp * m, whole.config)
-            rows = slice(coord["dp"] * m * MICRO, (coord["dp"] + 1) * m * MICRO)
-            x, y = x[rows], y[rows]
-        else:
-            load_weights(whole, inputs, "w.")
-            x, y = _stage_batch(inputs, m * MICRO, whole.config)
-        stage = tp_stage(whole, groups["tp"])
-        distlab.engine.runtime.progress(f"step_3d on {pp} x {dp} x {tp}: stage {s}")
-        with track_comm_by_group() as meter:
-            loss = fn(stage, groups, x if s == 0 else None, y if s == pp - 1 else None, m, MICRO)
-        label = {r: n for n, r in ranks.items()}
-        comm = {label.get(g, "ranks " + ", ".join(map(str, g))): dict(v) for g, v in meter.stats().items()}
-        calls = {label.get(g, "ranks " + ", ".join(map(str, g))): dict(v) for g, v in meter.calls_by_group.items()}
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach().float().cpu().reshape(-1)[0].item() if loss.numel() else None
-        grads = {name: [full, dim, blocks, q.grad.detach().float().cpu().clone() if q.grad is not None else None]
-                 for (name, q), (full, dim, blocks) in
-                 ((nq, stage.cuts[nq[0]]) for nq in stage.named_parameters())}
-        return {"coord": coord, "ranks": {n: list(r) for n, r in ranks.items()}, "loss": loss, "grads": grads,
-                "comm": comm, "calls": calls, "d_model": stage.config.d_model, "seq_len": stage.config.seq_len,
-                "blocks": len(stage.blocks)}
-
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        from distlab.course.models import build_model, lm_loss
-        pp, dp, tp = case.args["shape"]
-        m = case.args["m"]
-        if inputs is None:
-            model = build_model(PRESET, seed=SEED, n_layers=MESH_LAYERS, device="cpu")
-            x, y = _batch(dp * m, model.config, device="cpu")
-        else:             # stage s's weights from its first rank; the replicas' rows in dp order
-            model = _model_of_stages([inputs[s * dp * tp] for s in range(pp)], MESH_LAYERS)
-            x = torch.cat([inputs[d * tp]["x"] for d in range(dp)])
-            y = torch.cat([inputs[(pp - 1) * dp * tp + d * tp]["y"] for d in range(dp)])
-        lm_loss(model, x, y).backward()
-        with torch.no_grad():
-            replica = [lm_loss(model, x[d * m * MICRO:(d + 1) * m * MICRO], y[d * m * MICRO:(d + 1) * m * MICRO]).item()
-                       for d in range(dp)]
-        return {"grads": {n: q.grad.clone() for n, q in model.named_parameters()}, "replica_loss": replica}
-
-    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
-        from distlab.course.pipeline.mesh3d import cut
-        pp, dp, tp = case.args["shape"]
-        m = case.args["m"]
-
-        def values() -> str:
-            for r, o in enumerate(outputs):
-                s, d, t = o["coord"]["pp"], o["coord"]["dp"], o["coord"]["tp"]
-                if s == pp - 1:
-                    expect(o["loss"] is not None, f"rank {r} (last stage) returned None: it must return the mean "
-                           "loss of its dp replica's rows")
-                    compare(torch.tensor(float(o["loss"])), torch.tensor(reference["replica_loss"][d]),
-                            atol=1e-5, rtol=1e-4, what=f"rank {r}'s loss (dp replica {d})")
-                for name, (full, dim, blocks, g) in o["grads"].items():
-                    want = reference["grads"][full]
-                    if dim is not None:
-                        want = cut(want, t, tp, dim, blocks)
-                    expect(g is not None and bool(g.abs().sum() > 0),
-                           f"rank {r}: {name} has no gradient: run the backward of every micro-batch")
-                    try:
-                        compare(g, want, atol=1e-5, rtol=1e-4, what=f"rank {r}'s gradient of {name} ({full}"
-                                + (f", tp slice {t}" if dim is not None else "") + ")")
-                    except CheckFailed as exc:
-                        raise CheckFailed(f"{exc}; the gradient must be the mean over the dp replicas (all-reduce "
-                                          "in the dp group, divided by its size) of each replica's mean over its "
-                                          "micro-batches (each loss scaled by 1/m)") from None
-            return "every rank's loss and gradient (its tp slice) equal one process's on the global batch"
-
-        def pp_line() -> str:
-            for r, o in enumerate(outputs):
-                s = o["coord"]["pp"]
-                act = MICRO * o["seq_len"] * o["d_model"] * 4
-                sends = sum(c.get("send", 0) for c in o["calls"].values())
-                recvs = sum(c.get("recv", 0) for c in o["calls"].values())
-                sent = sum(c.get("send", 0) for c in o["comm"].values())
-                links = (s > 0) + (s < pp - 1)
-                expect(sends == m * links and recvs == m * links,
-                       f"rank {r} (stage {s}) posted {sends} sends and {recvs} receives; expected {m * links} of "
-                       "each (one activation forward, one gradient back per micro-batch and link)")
-                expect(sent == m * links * act, f"rank {r} sent {sent} bytes point to point; expected "
-                       f"{m * links * act} (one activation of {act} bytes per message)")
-            return "one activation per micro-batch and direction between pipeline neighbours"
-
-        def dp_line() -> str:
-            for r, o in enumerate(outputs):
-                extra = sorted(g for g, c in o["comm"].items()
-                               if g not in ("dp", "tp") and any(k not in ("send", "recv") for k in c))
-                if extra:
-                    raise CheckFailed(f"rank {r} ran a collective in the group of {extra[0]}: average the gradients "
-                                      "in the dp group only (a tp group holds different slices, the other stages "
-                                      "different layers)")
-                grad_bytes = sum(g.numel() * 4 for _, _, _, g in o["grads"].values() if g is not None)
-                want = 2 * grad_bytes * (dp - 1) / dp
-                got = sum(o["comm"].get("dp", {}).values())
-                expect(want <= got <= want * 1.01 + 64,
-                       f"rank {r} sent {got} bytes in its dp group; averaging its {grad_bytes} bytes of gradients "
-                       f"moves 2(dp - 1)/dp of them: {want:.0f} (one all-reduce, or a reduce-scatter and an "
-                       "all-gather)")
-            return "the gradients averaged in the dp group: 2(dp - 1)/dp of their bytes, no other group"
-
-        def tp_line() -> str:
-            for r, o in enumerate(outputs):
-                act = MICRO * o["seq_len"] * o["d_model"] * 4
-                want = m * 4 * o["blocks"] * act * 2 * (tp - 1) // tp
-                got = o["comm"].get("tp", {})
-                expect(set(got) <= {"all_reduce"} and got.get("all_reduce", 0) == want,
-                       f"rank {r} sent {sum(got.values())} bytes in its tp group ({', '.join(sorted(got)) or 'none'}); "
-                       f"the stage's f and g move {want}: 4 all-reduces per block per micro-batch, forward and "
-                       "backward once each (no collective of your own in tp)")
-            return "the blocks' f and g: 4 all-reduces per block and micro-batch in the tp group"
-
-        fns = {"values": values, "pp": pp_line, "dp": dp_line, "tp": tp_line}
-        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
+from distlab.checks.ch08_mesh import Mesh3DTask  # noqa: E402 - split out: ch08_mesh.py
+from distlab.checks.ch08_offload import OffloadTask  # noqa: E402 - split out: ch08_offload.py
 
 
 TASKS = {t.name: t for t in (

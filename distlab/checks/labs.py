@@ -10,8 +10,8 @@ In a solution notebook every answer sits between fence lines:
 The lab keeps the `def` line and replaces the fenced block with
 `raise NotImplementedError(...)` at the same indentation. Every output is
 cleared, so a learner opens a lab that shows no verdict. The solution's
-verdict lines of each graded check cell (tag `nbval-check-output`) are kept
-in the cell's metadata (`metadata.distlab.expected`), where the grader and
+output of each graded check cell (tag `nbval-check-output`: its verdict
+table and lines) is kept in the cell's metadata (`metadata.distlab.expected`), where the grader and
 nbval (through distlab's pytest plugin, `distlab.apps.nbval_plugin`) read them.
 
 A maintainer's command, never a learner's: it refuses to overwrite a lab
@@ -69,8 +69,16 @@ def verdict_lines(cell: nbformat.NotebookNode) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(("PASS ", "FAIL "))]
 
 
+def output_lines(cell: nbformat.NotebookNode) -> list[str]:
+    """Everything a check cell printed on stdout, line by line: the verdict table and the verdict lines."""
+    text = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def expected_lines(cell: nbformat.NotebookNode) -> list[str]:
-    """The verdict lines a lab's check cell should print: kept in its metadata."""
+    """What a lab's check cell should print (the solution's verdict table and lines), kept in its metadata;
+    its verdict lines are those that start with PASS or FAIL."""
     return list(cell.get("metadata", {}).get("distlab", {}).get("expected", []))
 
 
@@ -86,7 +94,7 @@ def make_lab(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
             if ANSWER_TAG not in tags:
                 tags.append(ANSWER_TAG)
         if is_check_cell(cell):
-            cell.metadata.setdefault("distlab", {})["expected"] = verdict_lines(cell)
+            cell.metadata.setdefault("distlab", {})["expected"] = output_lines(cell)
         cell.outputs = []
         cell.execution_count = None
     lab.metadata.setdefault("distlab", {})["generated"] = _digest(lab)

@@ -34,7 +34,26 @@ def compare(mine: Any, ref: Any, *, atol: float = 1e-6, rtol: float = 1e-5, what
     if torch.allclose(mine_t.double(), ref_t.double(), atol=atol, rtol=rtol, equal_nan=True):
         return "close"
     raise CheckFailed(f"max |{what} - reference| = {diff.max().item():.1e} "
-                      f"(tolerance atol={atol:g}, rtol={rtol:g})")
+                      f"(tolerance atol={atol:g}, rtol={rtol:g}){_factor_hint(mine_t, ref_t, atol, rtol)}")
+
+
+def _factor_hint(mine: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> str:
+    """'; yours is 4x the reference: a sum where a mean is expected?' when mine is a whole multiple (2..64) of
+    the reference, or the reference of mine; else ''. Cheap: one division."""
+    m, r = mine.double().flatten(), ref.double().flatten()
+    if m.numel() == 0 or not torch.isfinite(m).all() or not (r.abs() > atol).any():
+        return ""
+    big, small, word = (m, r, "a sum where a mean is expected?") if m.abs().sum() > r.abs().sum() else \
+        (r, m, "a mean where a sum is expected, or contributions missing?")
+    keep = small.abs() > atol
+    if not keep.any():
+        return ""
+    k = (big[keep] / small[keep]).median().item()
+    if not 1.5 < k < 64.5 or abs(k - round(k)) > 1e-3 or not torch.allclose(big, small * round(k), atol=atol,
+                                                                              rtol=max(rtol, 1e-3)):
+        return ""
+    k = round(k)
+    return f"; yours is {k}x the reference: {word}" if big is m else f"; yours is 1/{k} of the reference: {word}"
 
 
 def expect(condition: bool, message: str) -> None:

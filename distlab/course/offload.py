@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from distlab.meters.dispatch import EagerMode
+from distlab.meters.memory import storages
 
 _aten = torch.ops.aten
 
@@ -124,36 +125,9 @@ def track_transfers(*device_side: Any) -> Iterator[_TransferMeter]:
         yield meter
 
 
-def _storages(*roots: Any, depth: int = 4) -> dict[tuple[str, int], int]:
-    """Every tensor storage reachable from `roots` (tensors and their .grad, modules, optimizers,
-    containers, plain objects' attributes), storage -> bytes."""
-    seen: dict[tuple[str, int], int] = {}
-    stack = [(r, 0) for r in roots]
-    visited: set[int] = set()
-    while stack:
-        obj, d = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            for u in (obj, obj.grad):
-                if isinstance(u, torch.Tensor) and u.untyped_storage().data_ptr():
-                    local = u._local_tensor if hasattr(u, "_local_tensor") else u
-                    s = local.untyped_storage()
-                    seen[(str(u.device), s.data_ptr())] = s.nbytes()
-            continue
-        if id(obj) in visited or d > depth or isinstance(obj, (str, bytes, int, float, type)):
-            continue
-        visited.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            stack += [(t, d + 1) for t in list(obj.parameters()) + list(obj.buffers())]
-        elif isinstance(obj, torch.optim.Optimizer):
-            stack += [(v, d + 1) for v in obj.state.values()]
-            stack += [(g, d + 1) for g in obj.param_groups]
-        elif isinstance(obj, dict):
-            stack += [(v, d + 1) for v in list(obj.keys()) + list(obj.values())]
-        elif isinstance(obj, (list, tuple, set)):
-            stack += [(v, d + 1) for v in obj]
-        elif hasattr(obj, "__dict__"):
-            stack += [(v, d + 1) for v in vars(obj).values()]
-    return seen
+def _storages(*roots: Any) -> dict[tuple[str, int], int]:
+    """Every tensor storage reachable from `roots` (an optimizer's param_groups included), storage -> bytes."""
+    return storages(*roots, depth=4, optimizer_groups=True)
 
 
 def host_device_split(device_side: Any, host_side: Any = ()) -> dict[str, int]:

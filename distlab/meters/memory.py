@@ -431,13 +431,14 @@ def model_state(params: Any, grads: Any = None, optimizer: Any = None) -> ModelS
                       _storage_bytes(_tensors(optimizer), seen))
 
 
-def held_bytes(*roots: Any, depth: int = 3) -> int:
-    """Bytes of every tensor storage reachable from `roots`, each storage once.
+def storages(*roots: Any, depth: int = 3, optimizer_groups: bool = False) -> dict[tuple[str, int], int]:
+    """Every tensor storage reachable from `roots`, (device, address) -> bytes, each storage once.
 
-    Walks tensors (and their `.grad`), modules (parameters, buffers),
-    optimizers (their state), dicts, lists, tuples, sets and plain objects'
-    attributes, up to `depth` levels: what these objects keep alive between
-    steps, on whatever device they live.
+    Walks tensors (and their `.grad`; a DTensor's local shard), modules
+    (parameters, buffers), optimizers (their state; with `optimizer_groups`,
+    their param_groups too), dicts, lists, tuples, sets and plain objects'
+    attributes, up to `depth` levels. (The one walker: `held_bytes` here, and
+    `distlab.course.offload.host_device_split`.)
     """
     seen: dict[tuple[str, int], int] = {}
     stack = [(r, 0) for r in roots]
@@ -452,17 +453,25 @@ def held_bytes(*roots: Any, depth: int = 3) -> int:
                     if s.data_ptr():
                         seen[key] = max(seen.get(key, 0), s.nbytes())
             continue
-        if id(obj) in visited or d > depth:
+        if id(obj) in visited or d > depth or isinstance(obj, (str, bytes, int, float, type)):
             continue
         visited.add(id(obj))
         if isinstance(obj, torch.nn.Module):
             stack += [(t, d + 1) for t in list(obj.parameters()) + list(obj.buffers())]
         elif isinstance(obj, torch.optim.Optimizer):
             stack += [(v, d + 1) for v in obj.state.values()]
+            if optimizer_groups:
+                stack += [(g, d + 1) for g in obj.param_groups]
         elif isinstance(obj, dict):
             stack += [(v, d + 1) for v in list(obj.keys()) + list(obj.values())]
         elif isinstance(obj, (list, tuple, set)):
             stack += [(v, d + 1) for v in obj]
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        elif hasattr(obj, "__dict__"):
             stack += [(v, d + 1) for v in vars(obj).values()]
-    return sum(seen.values())
+    return seen
+
+
+def held_bytes(*roots: Any, depth: int = 3) -> int:
+    """Bytes of every tensor storage reachable from `roots`, each storage once (`storages`): what these
+    objects keep alive between steps, on whatever device they live."""
+    return sum(storages(*roots, depth=depth).values())
