@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-import distlab.meters
 from distlab.course.models import synthetic_batch
 from distlab.course.pipeline import simulate as sim
 from distlab.course.pipeline.stages import FixedCost, activation_shape, bubble, build_stage, stage_loss
@@ -61,97 +60,8 @@ def test_a_late_receiver_pays_the_round_trip():
     assert sim.makespan(spans) == pytest.approx(9.7)
 
 
-def test_a_receive_posted_ahead_pays_one_hop_one_posted_after_the_send_the_round_trip():
-    # p = 2, m = 2, GPipe, F = 1, B = 2, no rendezvous (PyTorch waits for its sends at the end), hop 0.1, late 0.5.
-    # Rank 1 gets to F1 at 2.1, after rank 0 sent it (2.0): posted then, it starts at 2.6; posted ahead (before
-    # its first action, as PyTorch's lowered tables may post it), it starts at 2.1, when it is free.
-    kw = dict(t_f=1, t_b=2, t_p2p=0.1, t_late=0.5)
-    at = lambda spans: {(s["name"], s["rank"]): s["start"] for s in spans}
-    when_there = sim.simulate(sim.gpipe_order, 2, 2, posts=lambda r: [None] * 4, **kw)
-    assert at(when_there)["F1", 1] == pytest.approx(2.6)
-    ahead = sim.simulate(sim.gpipe_order, 2, 2, posts=lambda r: [0, 0, 0, 0], **kw)
-    assert at(ahead)["F1", 1] == pytest.approx(2.1)
-    # posted after rank 1's F0 (its action 1), which ends at 2.1, after the send at 2.0: the round trip again
-    assert at(sim.simulate(sim.gpipe_order, 2, 2, posts=lambda r: [0, 1, 0, 0], **kw))["F1", 1] == pytest.approx(2.6)
-
-
-def test_cost_of_overrides_the_costs_of_single_actions():
-    # ZB-H1 on 2 ranks, m = 1, F = B = W = 1: stage 0's B free and its W the whole backward (as PyTorch's split
-    # runs the fixed cost on a first stage); rank 0's backward ends the step at 5 either way, the spans differ.
-    kw = dict(t_f=1, t_b=1, t_w=1)
-    even = sim.makespan(sim.simulate(sim.zero_bubble_order, 2, 1, **kw))
-    cost = lambda kind, i, s: {("B", 0): 0.0, ("W", 0): 2.0}.get((kind, s))
-    split = sim.simulate(sim.zero_bubble_order, 2, 1, cost_of=cost, **kw)
-    assert even == pytest.approx(5) and sim.makespan(split) == pytest.approx(5)
-    assert [(s["name"], s["end"] - s["start"]) for s in split if s["rank"] == 0] == [("F0", 1), ("B0", 0), ("W0", 2)]
-    assert [s["end"] - s["start"] for s in split if s["rank"] == 1] == [1, 1, 1]
-
-
-def test_message_costs_read_hop_late_and_gap_off_the_schedules_own_steps():
-    import statistics
-
-    from distlab.course.pipeline.measure import message_costs
-
-    def span(name, start, end):
-        return {"name": name, "kind": "compute", "start": start, "end": end}
-    # GPipe on 2 ranks, m = 2 (stages 0 and 1). Rank 1's F1 is posted at its rank's F0 end, after rank 0 sent it:
-    # a late receiver (0.2); rank 0's BW0 waits for the gradient with its receive posted: a hop (0.1); rank 0's BW1
-    # is posted after its gradient was sent: late (0.25); three actions wait for nothing: gaps 0.1, 0.05, 0.05.
-    r0 = [span("F0.0", 0, 1), span("F1.0", 1.1, 2.1), span("BW0.0", 5.65, 7.65), span("BW1.0", 7.9, 9.9)]
-    r1 = [span("F0.1", 1.3, 2.3), span("F1.1", 2.5, 3.5), span("BW0.1", 3.55, 5.55), span("BW1.1", 5.6, 7.6)]
-    per_rank = [{"ScheduleGPipe": {"steps": [r0], "chunks": [0]}}, {"ScheduleGPipe": {"steps": [r1], "chunks": [1]}}]
-    got = message_costs(per_rank, "ScheduleGPipe")
-    assert got["hop"] == pytest.approx(0.1) and got["late"] == pytest.approx(0.225)
-    assert got["gap"] == pytest.approx(0.2 / 3)                                   # the mean: a step adds them up
-    assert message_costs(per_rank, "ScheduleGPipe", statistics.median)["gap"] == pytest.approx(0.05)
-    # a table's posts: rank 0 posts BW0's receive after its first action (before the send: a hop), BW1's right
-    # before it (after the send: late); the same figures
-    per_rank[0]["ScheduleGPipe"]["posts"] = [None, None, 1, 3]
-    assert message_costs(per_rank, "ScheduleGPipe") == pytest.approx(got)
-    # a kind of action the run does not have: None (the lecture falls back on the figure measured apart)
-    alone = message_costs(per_rank[:1], "ScheduleGPipe")             # rank 0 alone: nothing crosses ranks
-    assert alone["hop"] is None and alone["late"] is None and alone["gap"] == pytest.approx((0.1 + 3.55 + 0.25) / 3)
-
-
-def test_delays_drawn_per_action_lengthen_a_step_that_waits_at_joins():
-    import random
-    kw = dict(t_f=1, t_b=2, rendezvous=True)
-    fixed = sim.simulate(sim.one_f_one_b_order, 4, 8, t_p2p=0.3, t_gap=0.1, t_late=0.4, **kw)
-    drawn = sim.simulate(sim.one_f_one_b_order, 4, 8, t_p2p=lambda: 0.3, t_gap=lambda: 0.1, t_late=lambda: 0.4, **kw)
-    assert drawn == fixed                                          # a draw that always says the same: the same spans
-    # a hop of 0 or 0.6 (mean 0.3): an action starts at the later of its inputs, so the step is longer on average
-    # than with the mean hop (a step's length is a max of sums: convex in each delay)
-    rng = random.Random(0)
-    lengths = [sim.makespan(sim.simulate(sim.one_f_one_b_order, 4, 8, t_p2p=lambda: rng.choice([0.0, 0.6]),
-                                         t_gap=0.1, t_late=0.4, **kw)) for _ in range(50)]
-    assert sum(lengths) / len(lengths) > sim.makespan(fixed) + 1.0, (sim.makespan(fixed), lengths)
-
-
-def test_drawn_bubble_draws_the_runs_own_durations_and_delays():
-    from distlab.course.pipeline.measure import drawn_bubble
-
-    def span(name, start, end):
-        return {"name": name, "kind": "compute", "start": start, "end": end}
-    # GPipe, 2 ranks, m = 1, two steps: rank 0's forward took 1 and 3, rank 1's 1 and 2, its backward 1.5 and 2.5;
-    # no gap, a hop of 0.5 each way, no late receiver (`late`, the fallback: 0.5, so never the later input)
-    steps0 = [[span("F0.0", 0, 1), span("BW0.0", 4.5, 6.5)], [span("F0.0", 0, 3), span("BW0.0", 8.5, 10.5)]]
-    steps1 = [[span("F0.1", 1.5, 2.5), span("BW0.1", 2.5, 4)], [span("F0.1", 3.5, 5.5), span("BW0.1", 5.5, 8)]]
-    per_rank = [{"ScheduleGPipe": {"steps": steps0, "chunks": [0]}}, {"ScheduleGPipe": {"steps": steps1, "chunks": [1]}}]
-    got = drawn_bubble(per_rank, "ScheduleGPipe", sim.gpipe_order, 2, 1, late=0.5, draws=400, t_f=1, t_b=1)
-    # every draw is one of the measured steps' durations: the mean bubble over the 8 combinations of (rank 0's F,
-    # rank 1's F, rank 1's BW) with rank 0's BW 2, each equally likely
-    want = []
-    for f0 in (1, 3):
-        for f1 in (1, 2):
-            for b1 in (1.5, 2.5):
-                window = f0 + 0.5 + f1 + b1 + 0.5 + 2
-                want.append(1 - (f0 + 2 + f1 + b1) / (2 * window))
-    assert got == pytest.approx(sum(want) / len(want), abs=0.01)
-    assert got == drawn_bubble(per_rank, "ScheduleGPipe", sim.gpipe_order, 2, 1, late=0.5, draws=400, t_f=1, t_b=1)
-
-
 def test_runner_message_costs_read_the_sweeps_own_waits():
-    from distlab.course.pipeline.measure import runner_message_costs
+    from distlab.course.pipeline.calibration import runner_message_costs
 
     def span(name, start, end):
         return {"name": name, "kind": "compute", "start": start, "end": end}
@@ -215,18 +125,20 @@ def test_fixed_cost_replaces_the_compute_it_stands_for(monkeypatch):
 
 
 def test_backward_span_starts_after_the_received_gradient_has_landed(monkeypatch):
-    """On NCCL a recv's wait() returns before the data is on the GPU; sync() waits for it. A backward
-    stamped before sync() counts the wait for the message as backward time (the bubble reads low)."""
+    """On NCCL a recv's wait() returns before the data is on the GPU; `settle` (an event on the stage's stream)
+    waits for it. A backward stamped before that counts the wait for the message as backward time (the bubble
+    reads low)."""
+    import distlab.course.pipeline.stages as stages
     landed = []
     pending = {"recv": False}
 
-    def sync(device=None):                                          # the recv lands when the device syncs
+    def settle(device=None):                                        # the recv lands when the stream settles
         if pending["recv"]:
             time.sleep(0.05)
             pending["recv"] = False
             landed.append(time.perf_counter())
 
-    monkeypatch.setattr(distlab.meters, "sync", sync)
+    monkeypatch.setattr(stages, "settle", settle)
     stage = build_stage("tiny", 1, 2, n_layers=2, device="cpu")
     tl = Timeline(rank=0, device="cpu")
     timed = FixedCost(stage, 0.0, 0.01, 0.0, timeline=tl)

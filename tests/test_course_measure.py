@@ -12,7 +12,9 @@ import math
 
 import pytest
 
+from distlab.course.pipeline import calibration, mesh3d, offloaded, pipelining
 from distlab.course.pipeline import measure as pp_measure
+from distlab.course.pipeline import runner as pp_runner
 from distlab.course.tensor_parallel import dropout_rng, measure_cp
 from distlab.course.tensor_parallel import measure as tp_measure
 from distlab.meters import Span
@@ -23,8 +25,9 @@ def _public_functions(module):
             if inspect.isfunction(f) and not name.startswith("_") and f.__module__ == module.__name__]
 
 
-@pytest.mark.parametrize("module", [tp_measure, measure_cp, dropout_rng, pp_measure],
-                         ids=["tensor_parallel", "context_parallel", "dropout_rng", "pipeline"])
+@pytest.mark.parametrize("module", [tp_measure, measure_cp, dropout_rng, pp_runner, pipelining, offloaded, calibration],
+                         ids=["tensor_parallel", "context_parallel", "dropout_rng", "pipeline runner",
+                              "pipelining", "offload", "calibration"])
 def test_every_function_is_documented_and_typed(module):
     functions = _public_functions(module)
     assert functions
@@ -51,6 +54,25 @@ def test_bubble_and_timing_read_a_sweep():
     assert pp_measure.bubble_of(per_rank, "1f1b", 2) == pytest.approx(1 / 3)
     m, step_s, busy_s = pp_measure.timing_of(per_rank, "1f1b", 2)
     assert (m, step_s, busy_s) == (2, pytest.approx(6.0), pytest.approx(2.0))
+    assert pp_runner.step_bubbles(per_rank, "1f1b", 2) == [pytest.approx(1 / 3)]
+
+
+def test_one_hop_is_read_off_the_one_micro_batch_steps():
+    # 2 ranks, m = 1, F = 1, B = 2: rank 1's F starts 0.25 after rank 0's ends, rank 0's B 0.25 after rank 1's B:
+    # window 6.5 = 2 x 3 of work + 2 messages of 0.25
+    rank0 = [Span(0, "F0", "compute", 0.0, 1.0), Span(0, "B0", "compute", 4.5, 6.5)]
+    rank1 = [Span(1, "F0", "compute", 1.25, 2.25), Span(1, "B0", "compute", 2.25, 4.25)]
+    per_rank = [{("gpipe", 1): [{"spans": rank0}]}, {("gpipe", 1): [{"spans": rank1}]}]
+    assert pp_runner.hop_of(per_rank, "gpipe") == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        pp_runner.hop_of(per_rank[:1], "gpipe")
+
+
+def test_the_old_names_stay_importable_from_measure():
+    # solutions/08 imports predicted_bubble and runner_message_costs, tests copies_inside, from `measure`
+    for name in ("predicted_bubble", "runner_message_costs", "copies_inside", "sweep", "bubble_of", "reference_bf16"):
+        assert callable(getattr(pp_measure, name)), name
+    assert pp_measure.reference_bf16 is mesh3d.reference_bf16
 
 
 def test_the_one_process_references_train_on_the_cpu():

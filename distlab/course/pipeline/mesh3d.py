@@ -10,6 +10,7 @@ input gradient backward) before each column-parallel product and g (all-reduce f
 backward) after each row-parallel one: 2 all-reduces of (b, s, d) per block in the forward, 2 in
 the backward. LayerNorms and the row-parallel biases are replicated (their gradients come out equal
 on every tp rank). Lab 8's 3-D task gets its stages from here; lecture 8 writes the same block.
+`reference_bf16` is the one-process ground truth of lecture 8's 3-D training.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from distlab.course.models import build_model, lm_loss, synthetic_batch
+from distlab.engine.precision import MixedPrecisionAdam
 
 MESH_ORDER = ("pp", "dp", "tp")        # outermost first: the lightest traffic spans the slowest links
 
@@ -111,3 +115,19 @@ def tp_stage(stage: nn.Module, group: Any) -> nn.Module:
             cuts[name] = (f"{block}.{_REPLICATED[head]}{'.' + rest if rest else ''}", None, 1)
     stage.cuts = cuts
     return stage
+
+
+def reference_bf16(steps: int, batch: int, lr: float, n_layers: int = 4) -> list[float]:
+    """One process, the whole batch, the same bf16 weights and `MixedPrecisionAdam`, on the CPU: the ground
+    truth for the lecture's 3-D training (`train_3d`, in the notebook). The loss of each step."""
+    model = build_model("tiny", seed=0, n_layers=n_layers, device="cpu").to(torch.bfloat16)
+    opt = MixedPrecisionAdam(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = synthetic_batch(step, batch, model.config, device="cpu")
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

@@ -1,4 +1,5 @@
-"""Figures of chapter 8: pipeline schedules as measured, bubble vs micro-batches, activations per rank.
+"""Figures of chapter 8: pipeline schedules as measured, bubble vs micro-batches, activations per rank, the
+spread of single steps around a model.
 
 Each takes measured spans or numbers (with theory beside them, labelled) and returns the Figure.
 """
@@ -104,5 +105,27 @@ def activations_by_rank(measured: Mapping[str, Sequence[float]], predicted: Mapp
     ax.set_ylabel("micro-batches of activations held")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def ratio_spread(ratios: Mapping[str, Sequence[float]], *, title: str, band: float = 0.05) -> Any:
+    """Each step's measured / model ratio (dots, one row per point), the median of each row (a bar), 1 and the
+    ±`band` around it (grey): how far single steps stray from the model, and in which direction."""
+    labels = list(ratios)
+    fig, ax = plt.subplots(figsize=(7.0, 0.28 * len(labels) + 1.3))
+    ax.axvspan(1 - band, 1 + band, color="#dddddd", zorder=0, label=f"model ± {band:.0%}")
+    ax.axvline(1, color="black", lw=0.8)
+    for y, label in enumerate(labels):
+        xs = sorted(ratios[label])
+        ax.scatter(xs, [y] * len(xs), s=14, color="#3182bd", alpha=0.7, zorder=2)
+        mid = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+        ax.plot([mid, mid], [y - 0.35, y + 0.35], color="#d62728", lw=2, zorder=3)
+    ax.plot([], [], color="#d62728", lw=2, label="median of the steps")
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("measured / model, one dot per timed step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig

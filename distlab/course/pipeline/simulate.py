@@ -73,15 +73,10 @@ def zero_bubble_order(p: int, m: int, r: int) -> list[Action]:
     return out + [("W", i) for i in pending]
 
 
-Delay = float | Callable[[], float]   # seconds, or a draw of them (one per message or pause)
-
-
 def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: float = 1.0, t_b: float = 2.0,
-             t_w: float = 0.0, v: int = 1, t_p2p: Delay = 0.0, rendezvous: bool = False,
-             t_gap: Delay = 0.0, t_late: Delay | None = None,
-             stage_of: Callable[[int, int], int] | None = None,
-             cost_of: Callable[[str, int, int], float | None] | None = None,
-             posts: Callable[[int], Sequence[int | None]] | None = None) -> list[dict[str, Any]]:
+             t_w: float = 0.0, v: int = 1, t_p2p: float = 0.0, rendezvous: bool = False,
+             t_gap: float = 0.0, t_late: float | None = None,
+             stage_of: Callable[[int, int], int] | None = None) -> list[dict[str, Any]]:
     """Spans {"rank", "name", "start", "end", "kind": "compute"} of every action, as `schedule` orders them.
 
     Names as on measured timelines: F<i>, B<i> (BW<i> for a backward that includes W), W<i>, with
@@ -94,14 +89,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     `t_p2p`, and nothing without `rendezvous`): gloo moves a message only once its receiver has posted the
     receive, so a receiver that comes late pays a round trip (its "ready" to the sender, the data back) where
     one already waiting pays one way, `t_p2p` after the send. `stage_of(r, c)`: the stage rank r's chunk c
-    holds (default c p + r; ZBV's "V" places chunk 1 of rank r at 2p - 1 - r). `cost_of(kind, i, stage)`: the
-    seconds of that action ("F", "B" or "W"; None: the costs above), e.g. as measured, where a split backward's
-    two halves are not even. `posts(r)`: for each of rank r's actions, how many of its actions run before the
-    receive of its input is posted (PyTorch's lowered tables post a receive ahead of the action that needs it;
-    None: when the rank gets to that action): a message sent before its receive is posted arrives `t_late` after
-    the post, one sent after it `t_p2p` after the send (this replaces the default rule for those actions).
-    `t_p2p`, `t_gap` and `t_late` may also be draws (a function called for each message or pause, e.g. picking
-    one of the measured values): each action's delays are then drawn once, when it is placed.
+    holds (default c p + r; ZBV's "V" places chunk 1 of rank r at 2p - 1 - r).
     Raises ValueError if the orders deadlock (an action waits for one that can never run), naming the rank and
     the action.
     """
@@ -115,16 +103,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
     if sorted(owner) != list(range(n)):
         raise ValueError(f"stage_of must place the {n} stages 0..{n - 1} on the ranks, one each")
     pos = {(r, k, i, place(r, c)): j for r in range(p) for j, (k, i, c) in enumerate(orders[r])}
-    late_delay = t_p2p if t_late is None else t_late
-    draws = {"hop": t_p2p, "gap": t_gap, "late": late_delay}
-    delay = {k: (x if not callable(x) else 0.0) for k, x in draws.items()}    # this action's delays
-
-    def draw() -> None:
-        for k, x in draws.items():
-            if callable(x):
-                delay[k] = x()
-    draw()
-    posted_at = None if posts is None else [list(posts(r)) for r in range(p)]
+    hop, gap, late = t_p2p, t_gap, t_p2p if t_late is None else t_late
     end: dict[tuple[str, int, int], float] = {}        # (kind, micro-batch, stage) -> end time
     ends: list[list[float]] = [[] for _ in range(p)]   # per rank, the end of each action run so far
     free, nxt, spans = [0.0] * p, [0] * p, []
@@ -144,7 +123,6 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
 
     def ready(r: int, kind: str, i: int, c: int) -> float | None:
         s = place(r, c)
-        hop, gap, late = delay["hop"], delay["gap"], delay["late"]
         start = free[r] + (gap if nxt[r] else 0.0)
         if rendezvous and nxt[r] > 0:                   # my last action's send must have been received
             pk, pi, pc = orders[r][nxt[r] - 1]
@@ -169,10 +147,6 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
             remote = owner.get(key[2], key[2] % p) != r          # (a chunk out of range: as the default placement)
             if not remote:
                 start = max(start, end[key])
-            elif posted_at is not None:
-                k = posted_at[r][nxt[r]]                          # the receive: posted when action k - 1 ends
-                at = free[r] if k is None else ends[r][k - 1] if k else 0.0
-                start = max(start, end[key] + hop if at <= end[key] else at + late)
             elif rendezvous:
                 start = max(start, end[key] + hop, free[r] + late)
             elif t_late is not None:
@@ -192,9 +166,7 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
                     break
                 whole = kind == "B" and (r, i, c) not in split
                 s = place(r, c)
-                cost = cost_of(kind, i, s) if cost_of is not None else None
-                if cost is None:
-                    cost = {"F": t_f, "B": t_b + (t_w if whole else 0.0), "W": t_w}[kind] / v
+                cost = {"F": t_f, "B": t_b + (t_w if whole else 0.0), "W": t_w}[kind] / v
                 end[(kind, i, s)] = start + cost
                 ends[r].append(start + cost)
                 free[r] = start + cost
@@ -202,7 +174,6 @@ def simulate(schedule: Callable[..., Sequence[Action]], p: int, m: int, *, t_f: 
                 spans.append({"rank": r, "name": name, "start": start, "end": start + cost, "kind": "compute"})
                 nxt[r] += 1
                 progressed = True
-                draw()
         if not progressed:
             stuck = {r: orders[r][nxt[r]] for r in range(p) if nxt[r] < len(orders[r])}
             raise ValueError(f"the schedule deadlocks: each rank's next action waits for one that never runs: {stuck}")
