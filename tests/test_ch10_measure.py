@@ -13,11 +13,11 @@ from distlab.theory import moe as th
 def test_simulated_model_states_per_rank_equal_the_formula():
     cfg, moe = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_layers=2, n_heads=2), MoEConfig(8, 2, d_ff=48)
     dense, experts = mm.dense_and_expert_params(cfg, moe)
-    for ep in (1, 4):
-        s = mm.ep_model_states(cfg, moe, world_size=8, ep=ep)
-        assert (s.dense_params, s.expert_params) == (dense, experts // ep)
-        assert s.params == s.grads == 2 * (dense + experts // ep) and s.optimizer == 12 * (dense + experts // ep)
-        assert s.total == th.ep_model_state_bytes(dense, experts, ep=ep, dp=8 // ep)
+    ep = 4
+    s = mm.ep_model_states(cfg, moe, world_size=8, ep=ep)
+    assert (s.dense_params, s.expert_params) == (dense, experts // ep)
+    assert s.params == s.grads == 2 * (dense + experts // ep) and s.optimizer == 12 * (dense + experts // ep)
+    assert s.total == th.ep_model_state_bytes(dense, experts, ep=ep, dp=8 // ep)
 
 
 def test_busiest_rank_and_expert_against_a_balanced_share():
