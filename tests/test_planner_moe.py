@@ -109,7 +109,8 @@ def test_candidates_walk_ep_and_mixtral_on_64_gpus_chooses_it():
                        virtual_stages=(1, 2), recompute=("none",))
     eps = {p.layout.ep for p in plans}
     assert eps == {1, 2, 4, 8}
-    assert all(p.layout.dp % p.layout.ep == 0 for p in plans)
+    assert all((p.layout.tp * p.layout.dp if p.layout.folded else p.layout.dp) % p.layout.ep == 0 for p in plans)
+    assert {p.layout.etp for p in plans if p.layout.tp == 2} == {1, 2}
     best = plans[0]
     # The reading at issue 37 (lecture 10 quotes it): ep = 8 inside a node, tp = 1, a short pipeline; MFU uses
     # the active parameters, so the ep all-to-all (~5 % of the step) and the bubble are what it pays.
@@ -122,3 +123,25 @@ def test_candidates_walk_ep_and_mixtral_on_64_gpus_chooses_it():
     assert frameworks(best.layout).startswith("Megatron-LM")
     dense = candidates(ModelSpec.from_size(7e9), Workload(4096, 64), Cluster(8), micro_batches=(1,))
     assert {p.layout.ep for p in dense} == {1}
+
+
+def test_folded_experts_are_whole_and_their_ep_stays_in_the_node():
+    # MoE Parallel Folding (Liu et al. 2025): etp = 1, the experts' mesh ep x edp over the tp x dp ranks, ep innermost
+    spec = ModelSpec(4, 64, 8, vocab_size=128, max_seq=0, n_experts=8, top_k=2)
+    work, c = Workload(256, 64), Cluster(64)
+    coupled = plan(spec, Layout(dp=4, tp=2, ep=4, m=4, micro_batch=4), work, c)
+    folded = plan(spec, Layout(dp=4, tp=2, ep=8, etp=1, m=4, micro_batch=4), work, c)
+    assert folded.layout.edp == 1 and coupled.layout.edp == 1 and str(folded.layout).count("etp=1") == 1
+    # one whole expert per device against halves of two: the same weights, one replicated down bias (d) fewer
+    assert expert_block_params(spec, 1, 8) == spec.expert_params
+    assert coupled.params_local[0] - folded.params_local[0] == spec.n_layers * spec.d_model
+    # ep = 8 beside tp = 2: folded it stays on NVLink (stride 1), coupled it would need two nodes
+    assert folded.links["ep"] == "nvlink" and folded.links["edp"] == "nvlink"
+    assert plan(spec, Layout(dp=8, tp=2, ep=8, m=2, micro_batch=4), work, c).links["ep"] == "ib"
+    # the MLP's two tp all-reduces per block go (attention's two, the embedding's and the head's stay):
+    # m x L x 2 calls x b s h x 2 bytes x ring 2(tp-1)/tp = 1
+    assert coupled.traffic["tp"][0] - folded.traffic["tp"][0] == pytest.approx(4 * 4 * 2 * (4 * 256 * 64) * 2)
+    with pytest.raises(ValueError, match="tp"):
+        Layout(dp=4, tp=4, etp=2)
+    with pytest.raises(ValueError, match="tp x cp x dp"):
+        Layout(dp=4, tp=2, ep=16, etp=1)

@@ -24,11 +24,12 @@ def _stage_layers(spec: ModelSpec, pp: int) -> list[int]:
     return [b - a for a, b in stage_layers(spec.n_layers, pp)]
 
 
-def block_params(spec: ModelSpec, tp: int, ep: int = 1) -> int:
+def block_params(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = None) -> int:
     """One block's parameters on one tp rank. Column-parallel q, k, v and up (and gate): weights and biases
     split; row-parallel o and down: weights split, biases replicated; norms replicated. K and V are split
     when tp divides the key/value heads and replicated otherwise. A mixture of experts: E/ep experts
-    (`expert_block_params`), each split over tp like the dense MLP; the router replicated."""
+    (`expert_block_params`), each split over tp like the dense MLP (over `etp` when given: 1, experts
+    whole); the router replicated."""
     d, kv, f = spec.d_model, spec.kv_dim, spec.ffn_dim
     up = (2 if spec.gated else 1) * f
     kv_split = spec.kv_heads % tp == 0
@@ -37,7 +38,7 @@ def block_params(spec: ModelSpec, tp: int, ep: int = 1) -> int:
     if spec.bias:
         split += d + (2 * kv if kv_split else 0)
     dense = spec.layer_params - spec.layer_expert_params
-    return split // tp + dense - split + expert_block_params(spec, tp, ep)
+    return split // tp + dense - split + expert_block_params(spec, tp if etp is None else etp, ep)
 
 
 def expert_block_params(spec: ModelSpec, tp: int, ep: int = 1) -> int:
@@ -53,11 +54,12 @@ def expert_block_params(spec: ModelSpec, tp: int, ep: int = 1) -> int:
     return spec.n_experts // ep * (split // tp + spec.expert_params - split)
 
 
-def local_params(spec: ModelSpec, tp: int, pp: int, stage: int, *, vocab_parallel: bool = True, ep: int = 1) -> int:
+def local_params(spec: ModelSpec, tp: int, pp: int, stage: int, *, vocab_parallel: bool = True, ep: int = 1,
+                 etp: int | None = None) -> int:
     """Parameters one device of pipeline stage `stage` holds with tensor parallelism `tp` (and expert
     parallelism `ep`: E/ep experts per block)."""
     d = spec.d_model
-    n = _stage_layers(spec, pp)[stage] * block_params(spec, tp, ep)
+    n = _stage_layers(spec, pp)[stage] * block_params(spec, tp, ep, etp)
     vocab = spec.vocab_size * d // (tp if vocab_parallel else 1)
     if stage == 0:
         n += vocab + spec.max_seq * d
@@ -84,6 +86,10 @@ def _groups(layout: Layout, gpus_per_node: int) -> dict[str, tuple[str, int]]:
         stride *= size
     nodes = pt.group_nodes(layout.dp, layout.tp * layout.cp, gpus_per_node)
     out["dp"] = ("nvlink" if nodes == 1 else "ib", nodes)
+    if layout.folded:                       # experts' mesh etp (1) x ep x edp over the same ranks, ep innermost
+        for group, size, stride in (("ep", layout.ep, 1), ("edp", layout.edp * layout.cp, layout.ep)):
+            nodes = pt.group_nodes(size, stride, gpus_per_node)
+            out[group] = ("nvlink" if nodes == 1 else "ib", nodes)
     return out
 
 
@@ -125,9 +131,9 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
         raise ValueError(f"ep={L.ep} needs a mixture of experts; {spec.name or 'this model'} is dense")
     stages = range(L.pp)
     layers = _stage_layers(spec, L.pp)
-    n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel, ep=L.ep) for r in stages]
-    n_exp = [layers[r] * expert_block_params(spec, L.tp, L.ep) for r in stages]   # of n_local: sharded over dp/ep
-    edp = L.dp // L.ep
+    n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel, ep=L.ep, etp=L.etp) for r in stages]
+    n_exp = [layers[r] * expert_block_params(spec, L.etp, L.ep) for r in stages]  # of n_local: sharded over edp
+    edp = L.edp
     states = [_model_states(n - e, L.dp, L.zero, param_bytes, grad_bytes, k)
               + _model_states(e, edp, L.zero, param_bytes, grad_bytes, k) for n, e in zip(n_local, n_exp)]
     per_layer = pt.activation_bytes_per_layer(
@@ -144,7 +150,8 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
 
     def tp_calls(r: int) -> tuple[float, int]:
         """Bytes of one micro-batch's tp all-reduces on stage r (each call's size), and how many calls."""
-        size, calls = 4 * layers[r] * elems * act_bytes, 4 * layers[r]     # f and g around attention and MLP
+        per = 2 if L.folded and spec.moe else 4     # folded: whole experts on local tokens, no tp around the MLP
+        size, calls = per * layers[r] * elems * act_bytes, per * layers[r]  # f and g around attention and MLP
         if vp and r == 0:
             size, calls = size + elems * act_bytes, calls + 1               # the vocabulary-parallel embedding's g
         if vp and r == L.pp - 1:
@@ -178,7 +185,7 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     last = L.pp - 1
     logits = [0.0] * L.pp
     logits[last] = tokens_mb * vocab_local * ((act_bytes + 4 + 4) + 4 * (in_flight[last] - 1))
-    unit = max(block_params(spec, L.tp, L.ep), spec.vocab_size * spec.d_model // (L.tp if vocab_parallel else 1))
+    unit = max(block_params(spec, L.tp, L.ep, L.etp), spec.vocab_size * spec.d_model // (L.tp if vocab_parallel else 1))
     gathered = [2 * unit * param_bytes if L.zero == 3 else 0.0 for _ in stages]
     accum = [(accum_bytes - grad_bytes) * (n if L.zero < 2 else math.ceil((n - e) / L.dp) + math.ceil(e / edp))
              if L.m > 1 else 0.0 for n, e in zip(n_local, n_exp)]
@@ -252,17 +259,17 @@ def step_terms(spec: ModelSpec, L: Layout, workload: Workload, c: Cluster, traff
     if L.cp > 1:
         nodes_dp = pt.group_nodes(n_dp, L.tp, gpn)
         b_dp = bw["nvlink" if nodes_dp == 1 else "ib"]
-    n_edp = L.dp // L.ep * L.cp                          # the replicas of one expert
+    n_edp = L.edp * L.cp                                 # the replicas of one expert
     b_edp, nodes_edp = link("edp")
-    if L.cp > 1:
+    if L.cp > 1 and not L.folded:
         nodes_edp = min(n_edp, nodes_edp * pt.group_nodes(L.cp, L.tp, gpn))
         b_edp = bw["nvlink" if nodes_edp == 1 else "ib"]
     dense = [n - e for n, e in zip(n_local, n_exp)]
     if n_dp == 1:
         dp = 0.0
     elif L.zero == 3:
-        unit_e = expert_block_params(spec, L.tp, L.ep)
-        unit = block_params(spec, L.tp, L.ep) - unit_e
+        unit_e = expert_block_params(spec, L.etp, L.ep)
+        unit = block_params(spec, L.tp, L.ep, L.etp) - unit_e
         gather = pt.collective_s("all_gather", unit * param_bytes, n_dp, b_dp, nodes_dp, lat)
         scatter = pt.collective_s("reduce_scatter", unit * grad_bytes, n_dp, b_dp, nodes_dp, lat)
         if spec.moe:                                   # the experts' shards, over their own replicas

@@ -125,12 +125,11 @@ MOE_RUNS = [
         extra=MIXTRAL_EXTRA, notes="no throughput stated: MFU not compared; ZeRO-1 = the distributed optimizer"),
     Run("Mixtral 8x22B (Megatron Core benchmark)", ZOO + ", Mixtral-8x22B.yaml, run_mixtral_8x22B.sh", H100, 128,
         dict(n_layers=56, d_model=6144, n_heads=48, vocab_size=32_000, max_seq=0), 4096, 256,
-        dict(dp=8, tp=2, pp=8, cp=1, ep=8, zero=1, micro_batch=1, v=1, recompute="none"), tflops=455,
+        dict(dp=8, tp=2, pp=8, cp=1, ep=8, etp=1, zero=1, micro_batch=1, v=1, recompute="none"), tflops=455,
         mfu=455 / 989, nic_GBps=H100_NIC, extra=dict(MIXTRAL_EXTRA, ffn=16_384),
         notes="expert tensor parallelism 1 (MoE Parallel Folding: experts whole, the ep group folded into the tp x dp "
-              "ranks of one node); the planner splits experts over tp like the dense MLP and puts ep outside tp, so "
-              "its ep = 8 beside tp = 2 spans two nodes (all-to-alls over the NICs) where the benchmark's stays on "
-              "NVLink: the planner over-prices this layout's ep and prefers ep = 4"),
+              "ranks of one node: Layout.etp = 1); without folding the planner's ep = 8 beside tp = 2 would span two "
+              "nodes"),
 ]
 
 
@@ -185,7 +184,7 @@ def compare(run: Run) -> dict:
         raise ValueError(f"{run.name}: the planner offers no layout with {run.layout}")
     pub = same[0]
     rank = plans.index(pub) + 1
-    mesh = {k: run.layout[k] for k in ("dp", "tp", "pp", "cp", "ep") if k in run.layout}
+    mesh = {k: run.layout[k] for k in ("dp", "tp", "pp", "cp", "ep", "etp") if k in run.layout}
     mesh_rank = next(i for i, p in enumerate(plans, 1) if _matches(p.layout, mesh))
     best = plans[0]
     eff = cluster.efficiency if NEW_API else cluster.mfu

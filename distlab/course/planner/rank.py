@@ -18,7 +18,8 @@ def meshes(spec: ModelSpec, workload: Workload, cluster: Cluster, cp_sizes: tupl
     """Every way to factor the cluster's GPUs into the mesh axes, innermost first (`estimate.AXES`), each
     axis by its own rule: tp divides the heads and stays in a node; cp splits sequences of 8k tokens or
     more, at least 2k per rank; pp <= layers; dp takes the rest; ep (a mixture of experts) divides dp and
-    the number of experts, `ep_sizes` (default: every such divisor)."""
+    the number of experts, `ep_sizes` (default: every such divisor); with tp > 1 also folded (etp = 1:
+    experts whole, ep divides tp x cp x dp; `Layout.etp`)."""
     out = []
     for tp in [t for t in _divisors(cluster.gpus) if t <= cluster.gpu.gpus_per_node and spec.n_heads % t == 0]:
         for cp in [c for c in cp_sizes if c == 1 or (workload.seq_len >= 8192 and workload.seq_len // c >= 2048)]:
@@ -26,10 +27,12 @@ def meshes(spec: ModelSpec, workload: Workload, cluster: Cluster, cp_sizes: tupl
                 continue
             for pp in [p for p in _divisors(cluster.gpus // (tp * cp)) if p <= spec.n_layers]:
                 dp = cluster.gpus // (tp * cp * pp)
-                eps = [e for e in _divisors(dp) if spec.moe and spec.n_experts % e == 0
-                       and (ep_sizes is None or e in ep_sizes)] or [1]
-                for ep in eps:
-                    out.append({"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp})
+                for etp in (tp, 1) if spec.moe and tp > 1 else (tp,):
+                    ranks = dp if etp == tp else tp * cp * dp        # folded: ep over tp x cp x dp
+                    eps = [e for e in _divisors(ranks) if spec.moe and spec.n_experts % e == 0
+                           and (ep_sizes is None or e in ep_sizes) and (etp == tp or e > 1)] or [1]
+                    for ep in eps:
+                        out.append({"tp": tp, "cp": cp, "ep": ep, "etp": etp, "dp": dp, "pp": pp})
     return out
 
 
@@ -57,7 +60,7 @@ def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_st
         recompute = ("none", "full") if kw.get("flash_attention", True) else ("none", "selective", "full")
     out = []
     for mesh in meshes(spec, workload, cluster, cp_sizes, ep_sizes):
-        tp, cp, pp, dp, ep = (mesh[a] for a in ("tp", "cp", "pp", "dp", "ep"))
+        tp, cp, pp, dp, ep, etp = (mesh[a] for a in ("tp", "cp", "pp", "dp", "ep", "etp"))
         for mb in micro_batches:
             if workload.global_batch % (dp * mb):
                 continue
@@ -67,7 +70,7 @@ def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_st
             for v in [v for v in virtual_stages if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.n_layers)]:
                 for zero in zero_stages if dp * cp > 1 else (0,):
                     for rc in recompute:
-                        layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v, ep)
+                        layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v, ep, etp)
                         out.append(plan(spec, layout, workload, cluster, **kw))
     return sorted(out, key=rank_key)
 
@@ -93,7 +96,8 @@ def assumptions(cluster: Cluster) -> list[str]:
         "Activations: Korthikanti et al. (2022) with sequence parallelism, FlashAttention unless told; "
         "recomputation none, selective (the attention core) or full.",
         "Mixtures of experts: FLOPs count the active parameters (router and k of E experts); E/ep experts per "
-        "device, each split over tp like a dense MLP, their states ZeRO-sharded over their dp/ep replicas; "
+        "device, each split over tp like a dense MLP or whole (etp=1: MoE Parallel Folding, ep innermost over "
+        "tp x cp x dp, no tp collectives around the experts), their states ZeRO-sharded over their replicas; "
         "routing uniform (no drops, no imbalance: the busiest rank is the mean); per MoE block and micro-batch "
         "an all-to-all of counts and four of b s k h / (cp tp) bytes (dispatch and combine, forward and "
         "backward) on the critical path, each N - 1 sends (one latency per peer, a network hop for a peer in "
