@@ -27,6 +27,12 @@ def test_mixtral_counts_what_the_paper_says():
     assert m.flops_per_token(4096) == 6 * (32 * active + 32_000 * d) + 12 * 32 * d * 4096
 
 
+def test_from_size_knows_the_mixtral_family():
+    spec = ModelSpec.from_size(46.7e9, vocab_size=32_000, family="mixtral")
+    assert (spec.n_layers, spec.num_params, spec.active_params) == (32, MIXTRAL_8X7B.num_params, MIXTRAL_8X7B.active_params)
+    assert ModelSpec.from_size(141e9, vocab_size=32_000, family="mixtral").active_params == pytest.approx(39.2e9, rel=1e-2)
+
+
 def test_a_course_gpt_with_experts_counts_as_chapter_10_does():
     spec = ModelSpec(3, 32, 2, vocab_size=128, max_seq=16, n_experts=4, top_k=2)
     total, active = mt.moe_gpt_params(128, 16, 32, 3, 4, 2)

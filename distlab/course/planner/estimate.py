@@ -14,7 +14,8 @@ from distlab.theory.pipeline import activations_in_flight, bubble_fraction, dp_b
 # The course's one mesh order, innermost first: a group stays in a node when its span fits. Expert
 # parallelism sits between cp and dp: experts are carved out of the data-parallel ranks, so the ep ranks
 # of one group are neighbours (in a node when tp x cp x ep <= 8), the replicas of one expert (dp/ep of
-# them: the "edp" group) are ep ranks apart, and the dense parts' dp group spans both.
+# them: the "edp" group) are ep ranks apart, and the dense parts' dp group spans both. Folded layouts
+# (`Layout.etp` = 1, MoE Parallel Folding) lay the experts' own mesh ep x edp over tp x cp x dp, ep innermost.
 AXES = ("tp", "cp", "ep", "dp", "pp")
 BUCKET_BYTES = 25 * 2**20       # gradient bucket of ZeRO-0..2 (PyTorch DDP's bucket_cap_mb default)
 

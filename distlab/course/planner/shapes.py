@@ -23,6 +23,8 @@ _SHAPES = ((1.3e9, 24, 2048, 16), (7e9, 32, 4096, 32), (13e9, 40, 5120, 40), (34
            (70e9, 80, 8192, 64), (175e9, 96, 12288, 96), (405e9, 126, 16384, 128), (1e12, 128, 25600, 160))
 # Llama 3 shapes (Dubey et al. 2024, Table 3): (size, layers, d_model, heads, kv heads, FFN width).
 _LLAMA = ((8e9, 32, 4096, 32, 8, 14_336), (70e9, 80, 8192, 64, 8, 28_672), (405e9, 126, 16384, 128, 8, 53_248))
+# Mixtral shapes (Jiang et al. 2024, Table 1; Mistral AI's 8x22B release): 8 SwiGLU experts, top-2, GQA 8 kv heads.
+_MIXTRAL = ((46.7e9, 32, 4096, 32, 8, 14_336), (141e9, 56, 6144, 48, 8, 16_384))
 
 
 def recipe(num_params: float, *, gpus: int = 8) -> str:
@@ -68,9 +70,14 @@ class ModelSpec:
 
     @classmethod
     def from_size(cls, num_params: float, vocab_size: int = 128_256, family: str = "gpt") -> "ModelSpec":
-        """A shape of about `num_params` parameters: the nearest common shape of `family` ("gpt" or
-        "llama"), its depth rescaled. `from_size(405e9, family="llama")` is Llama 3 405B (405.9B)."""
-        if family == "llama":
+        """A shape of about `num_params` parameters: the nearest common shape of `family` ("gpt", "llama" or
+        "mixtral": 8 experts, top-2, `num_params` counting all of them), its depth rescaled.
+        `from_size(405e9, family="llama")` is Llama 3 405B (405.9B)."""
+        if family == "mixtral":
+            _, layers, d, heads, kv, f = min(_MIXTRAL, key=lambda s: abs(math.log(s[0] / num_params)))
+            spec = cls(layers, d, heads, vocab_size, 0, f"{num_params / 1e9:g}B (Mixtral-shaped)", kv, f, True,
+                       False, "rmsnorm", False, False, 8, 2)
+        elif family == "llama":
             _, layers, d, heads, kv, f = min(_LLAMA, key=lambda s: abs(math.log(s[0] / num_params)))
             spec = cls(layers, d, heads, vocab_size, 0, f"{num_params / 1e9:g}B (Llama-shaped)", kv, f, True,
                        False, "rmsnorm", False, False)
@@ -78,7 +85,7 @@ class ModelSpec:
             _, layers, d, heads = min(_SHAPES, key=lambda s: abs(math.log(s[0] / num_params)))
             spec = cls(layers, d, heads, vocab_size, 0, f"{num_params / 1e9:g}B")
         else:
-            raise ValueError(f"unknown family {family!r}; choose gpt or llama")
+            raise ValueError(f"unknown family {family!r}; choose gpt, llama or mixtral")
         rest = spec.num_params - spec.n_layers * spec.layer_params
         layers = max(1, round((num_params - rest) / spec.layer_params))
         return cls(**{**spec.__dict__, "n_layers": layers})

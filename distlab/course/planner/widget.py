@@ -9,7 +9,8 @@ from distlab.course.planner.shapes import ModelSpec, recipe
 from distlab.theory.hardware import A100, H100
 
 GPUS = {"H100 (NVLink 4, NDR IB)": H100, "A100 (NVLink 3, HDR IB)": A100}
-FAMILIES = {"GPT (MHA, GeLU MLP 4d)": "gpt", "Llama (GQA, SwiGLU)": "llama"}
+FAMILIES = {"GPT (MHA, GeLU MLP 4d)": "gpt", "Llama (GQA, SwiGLU)": "llama",
+            "Mixtral (8 experts, top-2)": "mixtral"}
 
 
 def planner(num_params: float = 70e9, gpus: int = 256, *, seq_len: int = 4096, global_batch: int = 1024,
@@ -38,7 +39,8 @@ def planner(num_params: float = 70e9, gpus: int = 256, *, seq_len: int = 4096, g
         plans = candidates(spec, Workload(seq.value, batch.value), cluster)
         out.clear_output(wait=True)
         with out:
-            head = (f"**{spec.num_params / 1e9:.1f}B parameters** ({spec.n_layers} layers, d = {spec.d_model}) "
+            active = f", {spec.active_params / 1e9:.1f}B active" if spec.moe else ""
+            head = (f"**{spec.num_params / 1e9:.1f}B parameters**{active} ({spec.n_layers} layers, d = {spec.d_model}) "
                     f"on {n.value} x {cluster.gpu.name}, {mem.value:g} GB each. "
                     f"Seeds' recipe: *{recipe(spec.num_params, gpus=n.value)}*.")
             if not plans:
