@@ -50,10 +50,12 @@ def _drawn(task, ns, seed=1234, only_first=False):
     """The grader's route: every rank's inputs drawn, the reference computed from them, each rank given its own."""
     from distlab.checks.task import validate
     from distlab.engine.launch import run_on_ranks
+    from distlab.grading import secret
     lines = []
     for case in task.cases()[:1] if only_first else task.cases():
         inputs = task.inputs(case, torch.Generator().manual_seed(seed))
         assert len(inputs) == case.world_size and all(v.device.type == "cpu" for d in inputs for v in d.values())
+        assert max(len(secret.blob(d)) for d in inputs) + 8 <= secret.MAX_BYTES      # each within one FIFO
         ref = task.reference(case, inputs=inputs)
         outs = run_on_ranks(_with_inputs, case.world_size, args=(task, case, tuple(_args(task, ns)), inputs))
         validate(outs)
