@@ -38,6 +38,16 @@ def test_a_course_gpt_with_experts_counts_as_chapter_10_does():
     total, active = mt.moe_gpt_params(128, 16, 32, 3, 4, 2)
     assert (spec.num_params, spec.active_params) == (total, active)
     assert pt.expert_params(32, 128) == mt.expert_params(32, 128)
+    from types import SimpleNamespace as NS
+    config = NS(n_layers=3, d_model=32, n_heads=2, vocab_size=128, seq_len=16)
+    assert ModelSpec.from_config(config, moe=NS(n_experts=4, k=2, d_ff=None)).num_params == spec.num_params
+    # chapter 10's Mixtral-like course GPT on 64 ranks, ep = 8, dense parts replicated (ZeRO-0): 16 bytes per
+    # parameter held, as theory.moe.ep_model_state_bytes
+    big = ModelSpec.from_config(NS(n_layers=32, d_model=4096, n_heads=32, vocab_size=32_000, seq_len=4096),
+                                moe=NS(n_experts=8, k=2, d_ff=21_504))
+    experts = big.n_layers * big.layer_expert_params
+    p = plan(big, Layout(dp=64, ep=8, zero=0, m=64), Workload(4096, 64), Cluster(64), vocab_parallel=False)
+    assert p.model_state_bytes[0] == pytest.approx(mt.ep_model_state_bytes(big.num_params - experts, experts, 8, 8))
 
 
 def test_all_to_all_is_n_minus_1_sends():

@@ -64,9 +64,15 @@ class ModelSpec:
     top_k: int = 1                  # experts per token
 
     @classmethod
-    def from_config(cls, config: Any, name: str = "") -> "ModelSpec":
-        """From a `distlab.course.models.GPTConfig`: exactly the course model's parameter count."""
-        return cls(config.n_layers, config.d_model, config.n_heads, config.vocab_size, config.seq_len, name)
+    def from_config(cls, config: Any, name: str = "", moe: Any = None) -> "ModelSpec":
+        """From a `distlab.course.models.GPTConfig`: exactly the course model's parameter count. `moe`: a
+        chapter 10 `MoEConfig` (n_experts, k, d_ff): every MLP a mixture of GeLU experts with biases, as
+        `distlab.theory.moe.moe_gpt_params` counts them."""
+        spec = cls(config.n_layers, config.d_model, config.n_heads, config.vocab_size, config.seq_len, name)
+        if moe is None:
+            return spec
+        return cls(**{**spec.__dict__, "n_experts": moe.n_experts, "top_k": moe.k,
+                      "ffn": moe.d_ff or 4 * config.d_model})
 
     @classmethod
     def from_size(cls, num_params: float, vocab_size: int = 128_256, family: str = "gpt") -> "ModelSpec":
