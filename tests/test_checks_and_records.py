@@ -149,7 +149,8 @@ def test_interrupting_a_check_prints_one_line(capsys, monkeypatch):
 
 def test_a_check_prints_a_table_then_its_lines_with_a_shared_reason_once():
     from distlab.checks.ch01 import TASKS
-    from distlab.checks.task import Line, verdict_text
+    from distlab.checks.show import verdict_text
+    from distlab.checks.task import Line
     task = TASKS["all_gather"]
     why = "hung: rank(s) [1] waited 5 s for each other"
     skip = "not run: an earlier case (3 ranks) hung"
@@ -174,3 +175,10 @@ def test_a_whole_multiple_of_the_reference_gets_a_hint():
         compare(torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0]))
     with pytest.raises(CheckFailed, match=r"\(tolerance atol=1e-06, rtol=1e-05\)$"):   # no hint: not a multiple
         compare(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]))
+
+
+def test_help_of_grade_lists_each_task_its_answers_and_its_lines():
+    from distlab.checks.ch01 import grade
+    doc = grade.__doc__
+    assert doc.startswith("grade(task, *answers): run a graded task on real ranks and print its verdicts.")
+    assert "grade('all_gather', ring_all_gather)\n    all_gather, 2 ranks, values\n" in doc

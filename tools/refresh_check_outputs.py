@@ -1,5 +1,5 @@
 """Rewrite solution notebooks' committed check-cell outputs in the format `grade` prints now
-(`distlab.checks.task.verdict_text`: the verdict table, then the lines), from the verdict lines they hold,
+(`distlab.checks.show.verdict_text`: the verdict table, then the lines), from the verdict lines they hold,
 without running anything. Then `distlab build-labs --force`.
 
     .venv/bin/python tools/refresh_check_outputs.py 09_training 10_moe     # default: every lab in LABS
@@ -9,7 +9,8 @@ from pathlib import Path
 import nbformat
 from distlab.checks import lab_module, LABS
 from distlab.checks.labs import is_check_cell, verdict_lines
-from distlab.checks.task import Line, verdict_text
+from distlab.checks.show import verdict_text
+from distlab.checks.task import Line
 
 for lab in sys.argv[1:] or LABS:
     path = Path("solutions") / f"{lab}.ipynb"

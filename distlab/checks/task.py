@@ -272,89 +272,13 @@ def run_task(task: Task, answers: Iterable[Any], *,
     return out
 
 
-def _row(name: str, case: Case) -> str:
-    """A verdict line's row label: its name without the case's "N ranks" (a column says it)."""
-    import re
-    return re.sub(rf"(, )?\b{case.world_size} ranks(?=[,:]|$)", "", name, count=1).replace(" ,", ",").strip()
-
-
-def _common_prefix(labels: list[str]) -> str:
-    """The labels' common start, cut after a ", " or ": " (so that no word is split)."""
-    start = labels[0]
-    for label in labels[1:]:
-        while not label.startswith(start):
-            start = start[:-1]
-    cut = max(start.rfind(", "), start.rfind(": "))
-    return start[:cut + 2] if cut >= 0 else ""
-
-
-def _columns(cases: list[Case], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
-    """Each case's column label and its rows' labels: what its rows share ("4 stages, m=4") when the cases
-    differ by it, else its world size ("2 ranks"), made unique."""
-    sizes = [f"{c.world_size} rank{'s' if c.world_size != 1 else ''}" for c in cases]
-    heads = [_common_prefix(r) if len(r) > 1 else "" for r in rows]
-    if len(cases) > 1 and len(set(heads)) > 1:
-        shared = _common_prefix(heads)
-        labels = [h[len(shared):].rstrip(", :") or n for h, n in zip(heads, sizes)]
-        rows = [[x[len(h):] for x in r] for h, r in zip(heads, rows)]
-    else:
-        labels = sizes
-    out: list[str] = []
-    for label in labels:
-        out.append(label if label not in out else f"{label} ({1 + sum(o.startswith(label) for o in out)})")
-    return out, rows
-
-
-def verdict_table(task: Task, lines: list[Line]) -> list[str]:
-    """The task's verdicts at a glance: one row per property, one column per case, PASS / FAIL / - (not
-    run). Empty for a task of a single verdict line."""
-    cases = task.cases()
-    if sum(len(c.lines) for c in cases) < 2 or len(lines) != sum(len(c.lines) for c in cases):
-        return []
-    columns, rows = _columns(cases, [[_row(n, c) for n in c.lines] for c in cases])
-    cells: dict[str, dict[str, str]] = {}
-    it = iter(lines)
-    for col, names in zip(columns, rows):
-        for name in names:
-            line = next(it)
-            mark = "PASS" if line.ok else "-" if line.detail.startswith(("not run", SKIPPED_NOT_WRITTEN)) else "FAIL"
-            cells.setdefault(name, {})[col] = mark
-    keys = list(cells)
-    prefix = _common_prefix(keys) if len(keys) > 1 else ""
-    labels = [k[len(prefix):] or k for k in keys]
-    width = max(len(task.name), *(len(label) + 2 for label in labels))
-    widths = [max(len(c), 4) for c in columns]
-    out = [f"{task.name:<{width}}  " + "  ".join(f"{c:<{w}}" for c, w in zip(columns, widths))]
-    for key, label in zip(keys, labels):
-        out.append(f"{'  ' + label:<{width}}  "
-                   + "  ".join(f"{cells[key].get(c, ''):<{w}}" for c, w in zip(columns, widths)))
-    return [line.rstrip() for line in out]
-
-
-def verdict_text(task: Task, lines: list[Line]) -> list[str]:
-    """What a check cell prints: the table, then every verdict line; a reason that every line of a case
-    shares is printed once, under that case's lines."""
-    out = verdict_table(task, lines)
-    it = iter(lines)
-    for case in task.cases():
-        mine = [next(it, None) for _ in case.lines]
-        mine = [line for line in mine if line is not None]
-        shared = (len(mine) > 1 and not any(line.ok for line in mine)
-                  and len({line.detail for line in mine}) == 1 and mine[0].detail)
-        if shared:
-            out += [f"FAIL {line.name}" for line in mine] + [f"  why: {mine[0].detail}"]
-        else:
-            out += [str(line) for line in mine]
-    out += [str(line) for line in it]
-    return out
-
-
 def grade_task(task: Task, *answers: Any) -> list[Line]:
     """Run a task and print its verdicts (`verdict_text`), and nothing else: ranks' output is held back
     and shown on stderr only when a line fails. Returns the lines."""
     held = io.StringIO()
     with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
         lines = run_task(task, answers)
+    from distlab.checks.show import verdict_text
     for text in verdict_text(task, lines):
         print(text)
     if not all(line.ok for line in lines) and held.getvalue().strip():
@@ -383,7 +307,19 @@ def grader(tasks: dict[str, Task]) -> Callable[..., None]:
             # The launcher has already stopped every rank; a traceback through the package says nothing more.
             print(f"interrupted: the check of {name!r} was stopped before it finished (no rank is left running)")
 
+    grade.__doc__ = grade_doc(tasks)
     return grade
+
+
+def grade_doc(tasks: dict[str, Task]) -> str:
+    """`help(grade)`: how to call it, then each task's answers and the verdict lines it prints."""
+    out = ["grade(task, *answers): run a graded task on real ranks and print its verdicts.", "",
+           "Tasks (call: the verdict lines it prints, case by case):", ""]
+    for name, task in tasks.items():
+        out.append(f"grade({name!r}, {', '.join(task.answers)})")
+        out += [f"    {line}" for line in task.lines()]
+        out.append("")
+    return "\n".join(out)
 
 
 # ---- what a task's `inputs` draws (grading only): starting weights and batches, as tensors -------------------
