@@ -126,7 +126,7 @@ def test_candidates_walk_ep_and_mixtral_on_64_gpus_chooses_it():
     eps = {p.layout.ep for p in plans}
     assert eps == {1, 2, 4, 8}
     assert all((p.layout.tp * p.layout.dp if p.layout.folded else p.layout.dp) % p.layout.ep == 0 for p in plans)
-    assert {p.layout.etp for p in plans if p.layout.tp == 2} == {1, 2}
+    assert {p.layout.expert_tp for p in plans if p.layout.tp == 2} == {1, 2}
     best = plans[0]
     # The reading at issue 37 (lecture 10 quotes it): ep = 8 inside a node, tp = 1, a short pipeline; MFU uses
     # the active parameters, so the ep all-to-all (~5 % of the step) and the bubble are what it pays.
@@ -159,5 +159,7 @@ def test_folded_experts_are_whole_and_their_ep_stays_in_the_node():
     assert coupled.traffic["tp"][0] - folded.traffic["tp"][0] == pytest.approx(4 * 4 * 2 * (4 * 256 * 64) * 2)
     with pytest.raises(ValueError, match="tp"):
         Layout(dp=4, tp=4, etp=2)
+    from dataclasses import replace
+    assert replace(coupled.layout, tp=4).expert_tp == 4 and replace(folded.layout, tp=4).folded
     with pytest.raises(ValueError, match="tp x cp x dp"):
         Layout(dp=4, tp=2, ep=16, etp=1)

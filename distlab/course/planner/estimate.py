@@ -132,8 +132,8 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
         raise ValueError(f"ep={L.ep} needs a mixture of experts; {spec.name or 'this model'} is dense")
     stages = range(L.pp)
     layers = _stage_layers(spec, L.pp)
-    n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel, ep=L.ep, etp=L.etp) for r in stages]
-    n_exp = [layers[r] * expert_block_params(spec, L.etp, L.ep) for r in stages]  # of n_local: sharded over edp
+    n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel, ep=L.ep, etp=L.expert_tp) for r in stages]
+    n_exp = [layers[r] * expert_block_params(spec, L.expert_tp, L.ep) for r in stages]  # of n_local: sharded over edp
     edp = L.edp
     states = [_model_states(n - e, L.dp, L.zero, param_bytes, grad_bytes, k)
               + _model_states(e, edp, L.zero, param_bytes, grad_bytes, k) for n, e in zip(n_local, n_exp)]
@@ -186,7 +186,7 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     last = L.pp - 1
     logits = [0.0] * L.pp
     logits[last] = tokens_mb * vocab_local * ((act_bytes + 4 + 4) + 4 * (in_flight[last] - 1))
-    unit = max(block_params(spec, L.tp, L.ep, L.etp), spec.vocab_size * spec.d_model // (L.tp if vocab_parallel else 1))
+    unit = max(block_params(spec, L.tp, L.ep, L.expert_tp), spec.vocab_size * spec.d_model // (L.tp if vocab_parallel else 1))
     gathered = [2 * unit * param_bytes if L.zero == 3 else 0.0 for _ in stages]
     accum = [(accum_bytes - grad_bytes) * (n if L.zero < 2 else math.ceil((n - e) / L.dp) + math.ceil(e / edp))
              if L.m > 1 else 0.0 for n, e in zip(n_local, n_exp)]
@@ -269,8 +269,8 @@ def step_terms(spec: ModelSpec, L: Layout, workload: Workload, c: Cluster, traff
     if n_dp == 1:
         dp = 0.0
     elif L.zero == 3:
-        unit_e = expert_block_params(spec, L.etp, L.ep)
-        unit = block_params(spec, L.tp, L.ep, L.etp) - unit_e
+        unit_e = expert_block_params(spec, L.expert_tp, L.ep)
+        unit = block_params(spec, L.tp, L.ep, L.expert_tp) - unit_e
         gather = pt.collective_s("all_gather", unit * param_bytes, n_dp, b_dp, nodes_dp, lat)
         scatter = pt.collective_s("reduce_scatter", unit * grad_bytes, n_dp, b_dp, nodes_dp, lat)
         if spec.moe:                                   # the experts' shards, over their own replicas

@@ -75,7 +75,7 @@ class Layout:
     interleaved 1F1B schedule when v > 1). `ep`: expert parallelism (a mixture of experts, chapter 10),
     carved out of dp: each group of ep data-parallel ranks splits a block's experts E/ep each, so ep
     divides dp; the dense parts stay data-parallel over dp, each expert over dp/ep. `etp`: the experts'
-    tensor parallelism, tp (the default, 0 means tp: each expert split over tp like the dense MLP) or 1
+    tensor parallelism (`expert_tp`): 0, the default, follows tp (each expert split over tp like the dense MLP), or 1
     (Megatron Core's MoE Parallel Folding, Liu et al. 2025: experts whole, the MoE layers' mesh etp x ep x
     edp folded over the same tp x cp x dp ranks, ep innermost, so ep divides tp x cp x dp and an ep of 8
     beside tp = 2 stays in one node; each rank routes its own s/tp tokens, and the MLP's tp collectives
@@ -95,10 +95,8 @@ class Layout:
     etp: int = 0
 
     def __post_init__(self) -> None:
-        if self.etp == 0:
-            object.__setattr__(self, "etp", self.tp)
-        if self.etp not in (self.tp, 1):
-            raise ValueError(f"etp={self.etp}: experts are split over tp ({self.tp}) or whole (1)")
+        if self.etp not in (0, 1, self.tp):
+            raise ValueError(f"etp={self.etp}: experts are split over tp ({self.tp}: etp 0) or whole (1)")
         if self.folded:
             if self.ep < 1 or (self.tp * self.cp * self.dp) % self.ep:
                 raise ValueError(f"ep={self.ep} must divide tp x cp x dp = {self.tp * self.cp * self.dp} (folded)")
@@ -118,20 +116,25 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def expert_tp(self) -> int:
+        """The ranks each expert is split over: tp, or 1 when folded."""
+        return 1 if self.etp == 1 else self.tp
+
+    @property
     def folded(self) -> bool:
         """MoE Parallel Folding: experts whole (etp = 1) beside tp > 1."""
-        return self.etp != self.tp
+        return self.expert_tp != self.tp
 
     @property
     def edp(self) -> int:
         """The replicas of one expert over which its states are sharded: (tp x dp) / (etp x ep) (cp left out,
         as dp's sharding leaves it out)."""
-        return self.tp * self.dp // (self.etp * self.ep)
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     def __str__(self) -> str:
         extra = {"none": "", "full": ", recompute", "selective": ", selective recompute"}[self.recompute]
         chunks = f" v={self.v}" if self.v > 1 else ""
-        experts = (f" ep={self.ep}" if self.ep > 1 else "") + (f" etp={self.etp}" if self.folded else "")
+        experts = (f" ep={self.ep}" if self.ep > 1 else "") + (" etp=1" if self.folded else "")
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}{experts} ZeRO-{self.zero} "
                 f"mb={self.micro_batch} m={self.m}{chunks}{extra}")
 

@@ -70,7 +70,7 @@ def candidates(spec: ModelSpec, workload: Workload, cluster: Cluster, *, zero_st
             for v in [v for v in virtual_stages if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.n_layers)]:
                 for zero in zero_stages if dp * cp > 1 else (0,):
                     for rc in recompute:
-                        layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v, ep, etp)
+                        layout = Layout(dp, tp, pp, cp, zero, mb, m, "1f1b", rc, v, ep, 1 if etp < tp else 0)
                         out.append(plan(spec, layout, workload, cluster, **kw))
     return sorted(out, key=rank_key)
 
