@@ -163,3 +163,22 @@ def test_folded_experts_are_whole_and_their_ep_stays_in_the_node():
     assert replace(coupled.layout, tp=4).expert_tp == 4 and replace(folded.layout, tp=4).folded
     with pytest.raises(ValueError, match="tp x cp x dp"):
         Layout(dp=4, tp=2, ep=16, etp=1)
+
+
+def test_imbalance_slows_the_busiest_ep_rank():
+    spec = ModelSpec(4, 64, 8, vocab_size=128, max_seq=0, n_experts=8, top_k=2)
+    work, c = Workload(256, 64), Cluster(64)
+    L = Layout(dp=8, ep=4, m=4, micro_batch=2)
+    even, skew = plan(spec, L, work, c), plan(spec, L, work, c, imbalance=1.5)
+    peak = H100.bf16_TFLOPs * 1e12 * c.efficiency
+    experts = 4 * 2 * 2 * 64 * 256                       # L k (up + down: 2 h f, f = 4h) active expert weights
+    assert skew.times["compute"] - even.times["compute"] == pytest.approx(64 * 256 * 6 * experts * 0.5 / (8 * peak))
+    nvl = H100.nvlink_GBps * 1e9
+    payload = 2 * 256 * 2 * 64 * 2 * 3 / 4 / nvl            # one all-to-all's bytes over NVLink
+    assert skew.times["ep"] - even.times["ep"] == pytest.approx(4 * 4 * 4 * payload * 0.5)
+    assert skew.mfu < even.mfu
+    # ep = 1: every device runs all experts on its own tokens, so the skew costs nothing
+    one = Layout(dp=8, m=4, micro_batch=2)
+    assert plan(spec, one, work, c, imbalance=1.5).step_s == plan(spec, one, work, c).step_s
+    with pytest.raises(ValueError, match="imbalance"):
+        plan(spec, L, work, c, imbalance=0.5)

@@ -24,7 +24,11 @@ row-parallel biases replicated), vocabulary-parallel embedding and head when `vo
 (replicated otherwise, as in the chapter's own 3-D code), ZeRO over dp, mixed-precision Adam (2 + 2 + 12
 bytes per parameter) unless told otherwise, activations per layer as in Korthikanti et al. (2022) with
 sequence parallelism (`distlab.theory.planning.activation_bytes_per_layer`), without the attention
-scores under FlashAttention (the default).
+scores under FlashAttention (the default). Mixtures of experts (chapter 10): FLOPs per token count the
+active parameters; E/ep experts per device, split over tp or whole (`Layout.etp` = 1, MoE Parallel Folding);
+per MoE block and micro-batch four all-to-alls of the device's tokens x k rows (and one of counts), each
+N - 1 sends (`theory.planning.collective_s("all_to_all", ...)`), on NVLink when the ep group is in a node,
+else through the cluster's NICs; routing uniform unless `imbalance` says how much busier the busiest rank is.
 
 Modules: shapes (ModelSpec, recipes), layout (Workload, Cluster, Layout, Plan), estimate (plan, the step's
 terms), rank (candidates, frameworks, markdown, assumptions), widget (planner).

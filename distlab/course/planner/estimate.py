@@ -97,7 +97,7 @@ def _groups(layout: Layout, gpus_per_node: int) -> dict[str, tuple[str, int]]:
 def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster | None = None, *,
          param_bytes: float = 2, grad_bytes: float = 2, k: float = 12, act_bytes: float = 2,
          vocab_parallel: bool = True, flash_attention: bool = True, accum_bytes: float = 4,
-         sequence_parallel: bool | None = None) -> Plan:
+         sequence_parallel: bool | None = None, imbalance: float = 1.0) -> Plan:
     """Predictions for one layout (per pipeline stage, for one device of that stage).
 
     `act_bytes`: bytes per activation element (2 for bf16). `flash_attention`: the attention scores are
@@ -119,8 +119,13 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     per MoE block and micro-batch an all-to-all of counts (E - E/ep int64) and four all-to-alls of the
     device's tokens (b s / cp, / tp with sequence parallelism) x k rows of h (dispatch and combine, forward
     and backward), each T k h e (ep-1)/ep (`distlab.theory.moe`); "edp", the experts' gradients over their
-    dp/ep replicas (x cp), while "dp" carries the dense parts'. Routing is taken as uniform (no drops).
+    dp/ep replicas (x cp), while "dp" carries the dense parts'. Routing is taken as uniform (no drops)
+    unless `imbalance` > 1: the busiest ep rank's rows over a balanced rank's (chapter 10 measures it,
+    `distlab.course.moe.measure`), which scales its experts' compute and the all-to-all bytes it receives
+    (with ep = 1 every device runs all experts on its own tokens: nothing to wait for).
     """
+    if imbalance < 1:
+        raise ValueError(f"imbalance is the busiest rank's load over the mean, >= 1; got {imbalance}")
     L = layout
     if sequence_parallel is None:
         sequence_parallel = vocab_parallel
@@ -195,7 +200,7 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     groups = _groups(L, c.gpu.gpus_per_node)
     links = {g: link for g, (link, _) in groups.items() if g in traffic}
     times = step_terms(spec, L, workload, c, traffic, groups, layers, [tp_calls(r)[1] for r in stages], sends,
-                       n_local, param_bytes, grad_bytes, n_exp, a2a)
+                       n_local, param_bytes, grad_bytes, n_exp, a2a, imbalance)
     step = sum(times.values())
     tokens = workload.global_batch * workload.seq_len
     mfu = tokens * spec.flops_per_token(workload.seq_len) / (L.gpus * c.gpu.bf16_TFLOPs * 1e12 * step)
@@ -208,7 +213,7 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
 def step_terms(spec: ModelSpec, L: Layout, workload: Workload, c: Cluster, traffic: dict[str, list[float]],
                groups: dict[str, tuple[str, int]], layers: list[int], tp_calls: list[int], sends: list[int],
                n_local: list[int], param_bytes: float, grad_bytes: float, n_exp: list[int] | None = None,
-               a2a_bytes: float = 0.0) -> dict[str, float]:
+               a2a_bytes: float = 0.0, imbalance: float = 1.0) -> dict[str, float]:
     """The estimated step, term by term (seconds; their sum is the step):
 
     compute   the model's FLOPs and recomputation's, at the kernels' efficiency (`Cluster.efficiency`);
@@ -232,6 +237,10 @@ def step_terms(spec: ModelSpec, L: Layout, workload: Workload, c: Cluster, traff
     blocks = spec.n_layers * spec.layer_matmul_params
     extra = pt.recompute_flops_per_token(L.recompute, blocks, spec.n_layers, spec.d_model, s)
     compute = tokens * (spec.flops_per_token(s) + extra) / (L.gpus * peak)
+    skew = imbalance - 1 if spec.moe and L.ep > 1 else 0.0
+    if skew:            # the busiest rank's experts run imbalance x a balanced rank's rows (and recompute them)
+        experts = spec.n_layers * spec.top_k * pt.expert_params(spec.d_model, spec.ffn_dim, gated=spec.gated, bias=False)
+        compute += tokens * (6 + (2 if L.recompute == "full" else 0)) * experts * skew / (L.gpus * peak)
     lat = c.latency
 
     def link(g: str) -> tuple[float, int]:
@@ -249,7 +258,7 @@ def step_terms(spec: ModelSpec, L: Layout, workload: Workload, c: Cluster, traff
     ep = 0.0
     if spec.moe and L.ep > 1:
         b, nodes = link("ep")
-        one = 4 * pt.collective_s("all_to_all", a2a_bytes, L.ep, b, nodes, lat) + pt.collective_s(
+        one = 4 * pt.collective_s("all_to_all", a2a_bytes * (1 + skew), L.ep, b, nodes, lat) + pt.collective_s(
             "all_to_all", spec.n_experts * 8, L.ep, b, nodes, lat)              # four payloads and the counts
         ep = L.m * max(layers) * one
     bub = bubble_fraction(L.pp, L.m, L.v) if L.pp > 1 else 0.0

@@ -98,7 +98,8 @@ def assumptions(cluster: Cluster) -> list[str]:
         "Mixtures of experts: FLOPs count the active parameters (router and k of E experts); E/ep experts per "
         "device, each split over tp like a dense MLP or whole (etp=1: MoE Parallel Folding, ep innermost over "
         "tp x cp x dp, no tp collectives around the experts), their states ZeRO-sharded over their replicas; "
-        "routing uniform (no drops, no imbalance: the busiest rank is the mean); per MoE block and micro-batch "
+        "routing uniform unless told (plan's imbalance: the busiest ep rank's rows over the mean scale its "
+        "experts' compute and the all-to-all bytes; default 1); per MoE block and micro-batch "
         "an all-to-all of counts and four of b s k h / (cp tp) bytes (dispatch and combine, forward and "
         "backward) on the critical path, each N - 1 sends (one latency per peer, a network hop for a peer in "
         "another node) at NVLink speed inside a node, else the NIC's for the share leaving the node.",
