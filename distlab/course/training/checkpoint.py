@@ -139,3 +139,33 @@ def load(path: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optim
     rngs = meta["rng"]
     set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
     return meta
+
+
+def time_saves(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path,
+               repeats: int = 2) -> dict[str, float]:
+    """Seconds a rank spends in a blocking `dcp.save` and in `dcp.async_save` (until it returns, and until
+    its future completes), the least of `repeats` each (the first async save also sets up its thread).
+    Collective: call on every rank."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from distlab.meters.timing import sync
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    out = {"blocking_s": [], "async_return_s": [], "async_done_s": []}
+    with _unaudited():
+        # async_save's background thread runs its own collectives: a gloo group of its own, off the training one
+        group = dist.new_group(backend="gloo") if _dist() else None
+        for k in range(repeats):
+            sync(); _barrier()
+            start = time.perf_counter()
+            dcp.save(state, checkpoint_id=str(Path(folder) / f"blocking_{k}"))
+            out["blocking_s"].append(time.perf_counter() - start)
+            _barrier()
+            start = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=str(Path(folder) / f"async_{k}"), process_group=group)
+            out["async_return_s"].append(time.perf_counter() - start)    # training could go on from here
+            future.result()
+            out["async_done_s"].append(time.perf_counter() - start)
+    return {k: min(v) for k, v in out.items()}
