@@ -43,7 +43,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import distlab
-from distlab.course.data_parallel.reference import one_thread
 from distlab.course.moe.layer import MoE, RouterStats, capacity, router_z_loss"""
 
 E, H, E_BYTES = 8, 16, 4                       # experts, row width (dispatch task), fp32
