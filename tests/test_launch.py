@@ -245,6 +245,6 @@ def test_a_hang_names_the_notebook_cell_its_line_and_the_rank_that_never_sent(no
         text = reason(info.value)
     finally:
         InteractiveShell.clear_instance()
-    assert text == (f"hung: rank(s) [1] waited 2 s for each other; rank 1 waits in recv, called from "
-                    f"wait_for_rank_0 (cell [{count}], line 5: `dist.recv(torch.zeros(1), 0)   # rank 0 never sends`); "
+    assert text == (f"hung: rank(s) [1] waited 2 s for each other; rank 1 waits in wait_for_rank_0 (cell [{count}], "
+                    "line 5: `dist.recv(torch.zeros(1), 0)   # rank 0 never sends`), inside dist.recv; "
                     "rank(s) [0] had already returned, so what the waiting rank(s) expect from it was never sent")

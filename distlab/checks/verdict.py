@@ -76,7 +76,7 @@ def reason(exc: BaseException, hint: str = "") -> str:
         return first + (f" (at {at})" if at else "")
     if isinstance(exc, LaunchStalled):
         calls = getattr(exc, "calls", {})
-        where = "; ".join(f"rank {r} waits in {calls[r] + ', called from ' if calls.get(r) else ''}{w}"
+        where = "; ".join(f"rank {r} waits in {w}" + (f", inside dist.{calls[r]}" if calls.get(r) else "")
                           for r, w in exc.where.items() if w)
         case = next((n for n in exc.notes.values() if n), "")
         text = f"hung: rank(s) {exc.ranks} waited {exc.timeout_s:g} s for each other"

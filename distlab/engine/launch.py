@@ -115,8 +115,8 @@ class LaunchStalled(LaunchTimeout):
                  f"rank(s) {ranks} waited {stall_s:g} s (the stall window) for an operation that never completed, "
                  "and were stopped."]
         for r in ranks:
-            lines.append(f"  rank {r} is stuck {'in ' + self.calls[r] + ', ' if self.calls[r] else ''}"
-                         f"at {self.where[r] or 'an unknown place'}"
+            lines.append(f"  rank {r} is stuck at {self.where[r] or 'an unknown place'}"
+                         + (f", inside dist.{self.calls[r]}" if self.calls[r] else "")
                          + (f" (it was doing: {self.notes[r]})" if self.notes.get(r) else ""))
             if self.detail.get(r):
                 lines.append(f"    {self.detail[r]}")
