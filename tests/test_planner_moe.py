@@ -29,8 +29,10 @@ def test_mixtral_counts_what_the_paper_says():
 
 def test_from_size_knows_the_mixtral_family():
     spec = ModelSpec.from_size(46.7e9, vocab_size=32_000, family="mixtral")
-    assert (spec.n_layers, spec.num_params, spec.active_params) == (32, MIXTRAL_8X7B.num_params, MIXTRAL_8X7B.active_params)
-    assert ModelSpec.from_size(141e9, vocab_size=32_000, family="mixtral").active_params == pytest.approx(39.2e9, rel=1e-2)
+    assert (spec.n_layers, spec.num_params) == (32, MIXTRAL_8X7B.num_params)
+    assert spec.active_params == MIXTRAL_8X7B.active_params
+    large = ModelSpec.from_size(141e9, vocab_size=32_000, family="mixtral")
+    assert large.active_params == pytest.approx(39.2e9, rel=1e-2)
 
 
 def test_a_course_gpt_with_experts_counts_as_chapter_10_does():

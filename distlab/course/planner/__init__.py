@@ -10,7 +10,8 @@ model with.
 Every prediction is a closed form over the model's shape (`ModelSpec`; the closed forms live in
 `distlab.theory.pipeline` and `distlab.theory.planning`): model states per device by pipeline stage (the
 first stage holds the embeddings, the last the head), activations by schedule (1F1B, or interleaved with
-v chunks per rank), bytes each device sends per step in each group (dp, tp, pp, cp; ep and edp for a mixture of experts) and on which link
+v chunks per rank), bytes each device sends per step in each group (dp, tp, pp, cp; ep and edp for a mixture
+of experts) and on which link
 (NVLink inside a node, the cluster's NICs between nodes, by the course's one mesh order, outermost first
 (pp, dp, ep, cp, tp): the heaviest, latency-critical traffic on neighbouring ranks of one node, the lightest
 (pp's point-to-point activations) on the groups that span nodes), the bubble, and the step time term by

@@ -137,7 +137,8 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
         raise ValueError(f"ep={L.ep} needs a mixture of experts; {spec.name or 'this model'} is dense")
     stages = range(L.pp)
     layers = _stage_layers(spec, L.pp)
-    n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel, ep=L.ep, etp=L.expert_tp) for r in stages]
+    n_local = [local_params(spec, L.tp, L.pp, r, vocab_parallel=vocab_parallel, ep=L.ep, etp=L.expert_tp)
+               for r in stages]
     n_exp = [layers[r] * expert_block_params(spec, L.expert_tp, L.ep) for r in stages]  # of n_local: sharded over edp
     edp = L.edp
     states = [_model_states(n - e, L.dp, L.zero, param_bytes, grad_bytes, k)
@@ -169,7 +170,8 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     # the last stage sends nothing forward, the first chunk of the first stage nothing back).
     sends = [(L.v - (r == L.pp - 1)) + (L.v - (r == 0)) if L.pp > 1 else 0 for r in stages]
     traffic = {
-        "dp": [dp_bytes(n - e, L.dp * L.cp, L.zero, grad_bytes, L.m) for n, e in zip(n_local, n_exp)],  # cp shares dp's gradients
+        # the dense parts' gradients (the experts' go over "edp"); cp shares dp's gradients
+        "dp": [dp_bytes(n - e, L.dp * L.cp, L.zero, grad_bytes, L.m) for n, e in zip(n_local, n_exp)],
         "tp": [L.m * tp_calls(r)[0] * ring for r in stages],
         "pp": [L.m * sends[r] * elems * act_bytes / (L.tp if sequence_parallel else 1) for r in stages],
         # Ring attention passes K and V around the cp ring: forward once, backward twice.
@@ -191,7 +193,8 @@ def plan(spec: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster |
     last = L.pp - 1
     logits = [0.0] * L.pp
     logits[last] = tokens_mb * vocab_local * ((act_bytes + 4 + 4) + 4 * (in_flight[last] - 1))
-    unit = max(block_params(spec, L.tp, L.ep, L.expert_tp), spec.vocab_size * spec.d_model // (L.tp if vocab_parallel else 1))
+    unit = max(block_params(spec, L.tp, L.ep, L.expert_tp),
+               spec.vocab_size * spec.d_model // (L.tp if vocab_parallel else 1))
     gathered = [2 * unit * param_bytes if L.zero == 3 else 0.0 for _ in stages]
     accum = [(accum_bytes - grad_bytes) * (n if L.zero < 2 else math.ceil((n - e) / L.dp) + math.ceil(e / edp))
              if L.m > 1 else 0.0 for n, e in zip(n_local, n_exp)]
@@ -239,7 +242,8 @@ def step_terms(spec: ModelSpec, L: Layout, workload: Workload, c: Cluster, traff
     compute = tokens * (spec.flops_per_token(s) + extra) / (L.gpus * peak)
     skew = imbalance - 1 if spec.moe and L.ep > 1 else 0.0
     if skew:            # the busiest rank's experts run imbalance x a balanced rank's rows (and recompute them)
-        experts = spec.n_layers * spec.top_k * pt.expert_params(spec.d_model, spec.ffn_dim, gated=spec.gated, bias=False)
+        experts = spec.n_layers * spec.top_k * pt.expert_params(spec.d_model, spec.ffn_dim, gated=spec.gated,
+                                                                 bias=False)
         compute += tokens * (6 + (2 if L.recompute == "full" else 0)) * experts * skew / (L.gpus * peak)
     lat = c.latency
 

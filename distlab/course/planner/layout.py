@@ -101,7 +101,8 @@ class Layout:
             if self.ep < 1 or (self.tp * self.cp * self.dp) % self.ep:
                 raise ValueError(f"ep={self.ep} must divide tp x cp x dp = {self.tp * self.cp * self.dp} (folded)")
         elif self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are carved out of the data-parallel ranks)")
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} "
+                             "(experts are carved out of the data-parallel ranks)")
         rc = self.recompute
         if isinstance(rc, bool):
             rc = "full" if rc else "none"
