@@ -124,7 +124,7 @@ def markdown(plans: list[Plan], cluster: Cluster | None = None) -> str:
     lines.append("GB per device: model states + activations + logits, ZeRO-3's gathered units and fp32 gradient "
                  "accumulation, against the memory less headroom (CUDA context, NCCL buffers, fragmentation). "
                  "NVLink / IB: algorithmic bytes (each call's size through the ring formula) one device sends per step. "
-                 "MFU (est.): the model's FLOPs (6 per weight + attention) over the devices' peak and the estimated "
+                 "MFU (est.): the model's FLOPs (6 per weight a token uses + attention) over the devices' peak and the estimated "
                  "step: the kernels' efficiency less the bubble, exposed communication and recomputation.")
     lines.append("Model states per device are checked against simulation (`distlab.course.sim.check_recipes`: the "
                  "recipes 7B ZeRO-2 on 8, 13B ZeRO-3 on 16, 70B ZeRO-3 + TP 8 on 64 and 175B dp 8 x tp 8 x pp 16 + "
