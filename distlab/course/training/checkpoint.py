@@ -67,6 +67,15 @@ def _unaudited() -> Iterator[None]:
             _push_mode(m)
 
 
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is what the run is."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _barrier() -> None:
     if _dist():
         dist.barrier()
@@ -100,7 +109,7 @@ def save(ckpt_dir: str | Path, step: int, module: torch.nn.Module, optimizer: to
     _barrier()
     model_sd, optim_sd = get_state_dict(module, optimizer)
     rngs = [rng_state()]
-    with _unaudited():
+    with _unaudited(), _one_process_quietly():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if _dist():
             rngs = [None] * dist.get_world_size()
@@ -132,7 +141,7 @@ def load(path: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optim
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    with _unaudited():
+    with _unaudited(), _one_process_quietly():
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = read_meta(path)
