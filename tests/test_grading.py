@@ -644,7 +644,7 @@ def test_nbval_grading_imports_no_conftest_or_test_file_from_the_hand_ins_and_na
     handins = tmp_path / "handins" / "bob"
     handins.mkdir(parents=True)
     shutil.copy(resolve_lab("01_collectives"), handins / "bob.ipynb")
-    for name in ("conftest.py", "test_evil.py"):
+    for name in ("conftest.py", "test_evil.py", "__init__.py"):
         (handins / name).write_text(f"open({str(tmp_path / name)!r} + '.ran', 'w').close()\n")
     (tmp_path / "handins" / "conftest.py").write_text(f"open({str(tmp_path / 'top')!r} + '.ran', 'w').close()\n")
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "distlab", "-p", "no:cacheprovider", "--collect-only",
