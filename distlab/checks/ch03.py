@@ -29,20 +29,22 @@ rank receives only its own.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 import distlab
 from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
-                                 grader, judged, load_weights, weights_of)
+                                 grader, judged, load_weights)
 from distlab.checks.verdict import compare, expect
-from distlab.course.data_parallel.reference import full_batch_gradient, make_model, one_thread, train_single, trainable
-from distlab.meters import model_state, track_comm
-from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
-from distlab.engine.precision import MixedPrecisionAdam
-from distlab.theory import collective_bytes_sent, comm_bytes_per_rank
+from distlab.course.data_parallel.reference import full_batch_gradient, make_model, trainable
+from distlab.meters import track_comm
+from distlab.course.models import lm_loss
+from distlab.theory import collective_bytes_sent
+from distlab.checks.ch03_common import (BATCH, HANG_HINT, INNER_SGD, LAYOUT_DTYPES, SEED_OFFSET, _batch,
+                                        _full_gradient, _k, _named, _pattern, _psi, _traffic, _where)
+from distlab.checks.ch03_step import StepTask
+
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
 PRELUDE = """\
@@ -52,97 +54,6 @@ import torch.distributed as dist
 import distlab
 from distlab import add_to_class
 from distlab.engine.collectives import all_gather_tensor, reduce_scatter_tensor"""
-
-SEED_OFFSET = 100            # rank r builds its model from seed 100 + r where the broadcast is checked
-BATCH = 12                   # splits evenly over 2, 3 and 4 ranks
-STEPS = 4
-INNER_SGD = dict(lr=0.1)     # an inner optimizer for the steps that never call it
-# The optimizers the last step trains with. AdamW's eps is 1e-6 rather than 1e-8: with 1e-8 an entry whose
-# gradient is ~1e-9 (rounding noise, different in every summation order) gets a full lr-sized step, and no
-# tolerance could tell a correct sharded run from a wrong one. SGD catches a missing 1/N (Adam is blind to
-# the gradient's scale); the mixed recipe is bf16 weights and gradients with fp32 master, m and v (K = 12).
-RECIPES = {
-    "SGD": (torch.optim.SGD, dict(lr=0.5, momentum=0.9), torch.float32),
-    "AdamW": (torch.optim.AdamW, dict(lr=1e-3, eps=1e-6), torch.float32),
-    "MixedPrecisionAdam": (MixedPrecisionAdam, dict(lr=1e-3, eps=1e-6), torch.bfloat16),
-}
-# fp32: summation order only. bf16: two rounding steps (2^-7 relative each): summing bf16 gradients in a
-# different order moves a weight by one bf16 step now and then.
-TOL = {"SGD": (1e-4, 1e-4), "AdamW": (1e-4, 1e-4), "MixedPrecisionAdam": (1e-2, 1.6e-2)}
-MAX_OFF_BY_A_STEP = 0.02     # bf16 recipe: the share of weights allowed more than one rounding step from the reference
-LAYOUT_DTYPES = {"frozen": torch.float32, "tied": torch.bfloat16}
-
-HANG_HINT = ("ZeRO-1 hangs when the ranks disagree about a collective: every rank must call the reduce-scatter "
-             "and the all-gather, in the same order, on buffers of the same padded length (k x N elements, "
-             "k = ceil(Psi/N)), even a rank whose shard holds only padding.")
-
-
-def _named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def _where(t: torch.Tensor) -> tuple[int, int]:
-    """(address, address of its storage): raw facts the judge compares, never a comparison itself."""
-    return t.data_ptr(), t.untyped_storage().data_ptr()
-
-
-def _psi(variant: str) -> tuple[int, list[tuple[str, int]]]:
-    params = [(k, p.numel()) for k, p in trainable(make_model(variant, device="cpu"))]
-    return sum(m for _, m in params), params
-
-
-def _k(psi: int, n: int) -> int:
-    return -(-psi // n)
-
-
-def _pattern(rank: int, numel: int, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
-    """What rank `rank` writes into its shard before the all-gather: integers < 256, exact in bf16."""
-    return ((torch.arange(numel, device=device) % 31) + 32 * rank).to(dtype)
-
-
-def _traffic(outputs: list, kinds: dict[str, int], key: Any) -> str:
-    """Every rank issued only `kinds` (kind -> expected algorithmic bytes), each at least once."""
-    for r, out in enumerate(outputs):
-        stats = out[key]
-        others = sorted(set(stats.calls) - set(kinds))
-        expect(not others, f"rank {r} called {', '.join(others)}: expected only {' and '.join(kinds)}")
-        for kind, want in kinds.items():
-            calls, sent = stats.calls.get(kind, 0), stats.bytes.get(kind, 0)
-            expect(calls >= 1, f"rank {r} issued no {kind.replace('_', '-')}")
-            # Each call's bytes are rounded on their own: allow one byte per call.
-            expect(abs(sent - want) <= calls, f"rank {r} sent {sent} algorithmic bytes in {kind.replace('_', '-')}s, "
-                                              f"expected {want}")
-    return " + ".join(k.replace("_", "-") for k in kinds) + " only, (N-1)/N x S bytes each"
-
-
-def _batch(step: int, r: int, n: int, inputs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank r's shard of step `step`'s batch: the package's in the notebook, drawn under grading."""
-    if inputs is None:
-        return split_batch(synthetic_batch(step, BATCH, PRESETS["tiny"]), r, n)
-    dev = distlab.device()
-    return inputs[f"x{step}"].to(dev), inputs[f"y{step}"].to(dev)
-
-
-def _full_gradient(variant: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """`full_batch_gradient` on a given (drawn) batch."""
-    with one_thread():
-        model = make_model(variant, device="cpu")
-        lm_loss(model, x, y).backward()
-    return torch.cat([p.grad.reshape(-1) for _, p in trainable(model)])
-
-
-def _train_on(variant: str, optimizer: Any, dtype: torch.dtype, batches: list) -> dict[str, torch.Tensor]:
-    """`train_single` on given (drawn) whole batches, on this rank's device."""
-    dev = distlab.device()
-    with one_thread():
-        model = make_model(variant, dtype=dtype, device=dev)
-        opt = optimizer([p for _, p in trainable(model)])
-        for x, y in batches:
-            lm_loss(model, x.to(dev), y.to(dev)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return {k: v.detach().float().cpu().clone() for k, v in model.named_parameters()}
-
 
 class InitTask(Task):
     name, answers = "init", ("ShardedOptimizer",)
@@ -372,154 +283,6 @@ class AllGatherTask(Task):
             return "all-gather only, (N-1)/N x S bytes"
 
         return [judged(values_line, values), judged(traffic_line, traffic)]
-
-
-class StepTask(Task):
-    name, answers = "step", ("ShardedOptimizer",)
-    hang_hint = HANG_HINT
-
-    def cases(self) -> list[Case]:
-        return [Case(n, tuple(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights"
-                              for recipe in RECIPES for variant in ("frozen", "tied"))
-                     + tuple(f"ShardedOptimizer, {n} ranks, {variant} weights: optimizer state sharded"
-                             for variant in ("frozen", "tied"))
-                     + (f"ShardedOptimizer, {n} ranks: collectives and bytes",))
-                for n in (2, 4)]
-
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank's shard of each step's batch."""
-        return drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
-
-    def exercise(self, case: Case, Opt: Any, inputs: dict | None = None) -> dict:
-        r, n = distlab.rank(), distlab.world_size()
-        out: dict = {}
-        for recipe, (opt_class, kw, dtype) in RECIPES.items():
-            for variant in ("frozen", "tied"):
-                model = make_model(variant, dtype=dtype)
-                opt = Opt(model.parameters(), opt_class, **kw)
-                for step in range(STEPS):
-                    distlab.engine.runtime.progress(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights, step {step}")
-                    x, y = _batch(step, r, n, inputs)
-                    # every step whose parameters are judged is metered: backward and step() together
-                    with track_comm() as comm:
-                        lm_loss(model, x, y).backward()
-                        opt.step()
-                    if step == STEPS - 1:   # step boundary: parameters, gradients, optimizer states all live
-                        out[recipe, variant, "state"] = model_state(model, optimizer=opt)
-                    with track_comm() as cleared:
-                        opt.zero_grad(set_to_none=True)
-                    out.setdefault((recipe, variant, "comm"), []).append((comm.stats(), cleared.stats()))
-                out[recipe, variant] = {k: v.detach().float().clone() for k, v in model.named_parameters()}
-        return out
-
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        if inputs is None:
-            return _step_reference()
-        from distlab.engine.launch import launch
-        return launch(_step_reference_on_rank, 1, args=(full_batches(inputs, STEPS),))[0]
-
-    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
-        n, lines = case.world_size, list(case.lines)
-        verdicts = []
-        for recipe in RECIPES:
-            for variant in ("frozen", "tied"):
-                verdicts.append(judged(lines.pop(0), lambda rc=recipe, v=variant: _matches(outputs, reference, rc, v)))
-        for variant in ("frozen", "tied"):
-            verdicts.append(judged(lines.pop(0), lambda v=variant: _sharded(outputs, reference, v, n)))
-        verdicts.append(judged(lines.pop(0), lambda: _step_traffic(outputs, reference, n)))
-        return verdicts
-
-
-@functools.lru_cache(maxsize=1)
-def _step_reference() -> dict:
-    """On one rank of the graded ranks' backend, so on their device: on a GPU the bf16 recipe computes in
-    bf16 there, and a CPU reference (fp32 compute) would sit further from a right answer than the
-    recipe's tolerance allows. On CPU ranks it is the CPU, as before."""
-    from distlab.engine.launch import launch
-    return launch(_step_reference_on_rank, 1)[0]
-
-
-def _step_reference_on_rank(batches: list | None = None) -> dict:
-    """`batches`: each step's whole batch (drawn under grading), else the package's."""
-    ref: dict = {}
-    for recipe, (opt_class, kw, dtype) in RECIPES.items():
-        for variant in ("frozen", "tied"):
-            if batches is None:
-                ref[recipe, variant] = train_single(variant, functools.partial(opt_class, **kw), steps=STEPS,
-                                                    batch_size=BATCH, dtype=dtype, device=distlab.device())
-            else:
-                ref[recipe, variant] = _train_on(variant, functools.partial(opt_class, **kw), dtype, batches)
-    for variant in ("frozen", "tied"):
-        psi, params = _psi(variant)
-        ref["psi", variant] = (psi, max(m for _, m in params))
-    return ref
-
-
-def _bf16_step(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 numbers at |x| (8 bits of precision: 2^-7 relative, 2^(e-8) for x in [2^(e-1), 2^e))."""
-    _, e = torch.frexp(x.abs().float().clamp_min(2.0 ** -126))
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
-
-
-def _matches(outputs: list, reference: dict, recipe: str, variant: str) -> str:
-    want = reference[recipe, variant]
-    atol, rtol = TOL[recipe]
-    for r, out in enumerate(outputs):
-        got = out[recipe, variant]
-        expect(got.keys() == want.keys(), f"rank {r} returned different parameter names")
-        for k in want:
-            compare(got[k], want[k], atol=atol, rtol=rtol, what=f"rank {r}'s {k}")
-        if recipe == "MixedPrecisionAdam":
-            # bf16 weights: a weight may land one rounding step away (summation order), but few do. Measured:
-            # a correct run moves < 0.5% of them; one that skips the all-gather leaves > 35% where they were,
-            # each by less than the tolerance above.
-            diff = torch.cat([(got[k].float() - want[k]).abs().flatten() for k in want])
-            step = torch.cat([_bf16_step(want[k]).flatten() for k in want])
-            off = (diff > 1.01 * step).float().mean().item()
-            expect(off <= MAX_OFF_BY_A_STEP, f"rank {r}: {off:.0%} of the weights differ from one process by more "
-                                             f"than one bf16 rounding step (a correct run: under 1%)")
-    return "matches one process on the full batch"
-
-
-def _sharded(outputs: list, reference: dict, variant: str, n: int) -> str:
-    psi, largest = reference["psi", variant]
-    owned = []
-    for r, out in enumerate(outputs):
-        state = out["MixedPrecisionAdam", variant, "state"]
-        expect(state.optimizer_state % 12 == 0, f"rank {r}: {state.optimizer_state} B of optimizer state is not "
-                                                "12 B (fp32 master + m + v) per parameter")
-        owned.append(state.optimizer_state // 12)
-        expect(owned[-1] <= psi / n + largest,
-               f"rank {r} keeps optimizer state for {owned[-1]} parameters; its share is about {psi / n:.0f}")
-    expect(psi <= sum(owned) < psi + n, f"the ranks together keep state for {sum(owned)} parameters, expected "
-                                        f"every one of the {psi} trainable parameters exactly once")
-    return "each rank keeps 12 B x its own shard; together they cover every trainable parameter once"
-
-
-def _step_traffic(outputs: list, reference: dict, n: int) -> str:
-    """Every step of every recipe (each one's parameters are judged): its backward and step() (then its
-    zero_grad(), which communicates nothing)."""
-    first = ("AdamW", "frozen")           # said as before: "rank r: ..."; the others name their recipe
-    for recipe, variant in [first] + [(rc, v) for rc in RECIPES for v in ("frozen", "tied") if (rc, v) != first]:
-        b = RECIPES[recipe][2].itemsize
-        want = round(comm_bytes_per_rank(reference["psi", variant][0], n, stage=1, bytes_per_element=b))
-        at = "" if (recipe, variant) == first else f", {recipe}, {variant} weights"
-        for r, out in enumerate(outputs):
-            metered = out[recipe, variant, "comm"]
-            expect(len(metered) == STEPS, f"rank {r}{at}: {len(metered)} metered steps, expected {STEPS}")
-            for step, (stats, cleared) in enumerate(metered):
-                when = "" if step == 0 else f" (step {step})"
-                rs, ag = stats.calls.get("reduce_scatter", 0), stats.calls.get("all_gather", 0)
-                others = {k: v for k, v in stats.calls.items() if k not in ("reduce_scatter", "all_gather")}
-                expect(not others, f"rank {r}{at}: unexpected collectives in a step{when}: {others}")
-                expect(rs >= 1 and rs == ag, f"rank {r}{at}: {rs} reduce-scatters and {ag} all-gathers{when}; "
-                       "expected the same number of each (one per flat buffer)")
-                slack = 2 * rs * n * b   # padding to a multiple of N: at most N-1 elements per collective
-                expect(abs(stats.total_bytes - want) <= slack, f"rank {r}{at}: sent {stats.total_bytes} "
-                       f"algorithmic bytes{when}, expected 2*Psi*b*(N-1)/N = {want}")
-                expect(not cleared.calls, f"rank {r}{at}: zero_grad(){when} called {cleared.calls}; it "
-                       "communicates nothing")
-    return "only reduce-scatter + all-gather, 2*Psi*b*(N-1)/N bytes per step"
 
 
 TASKS = {t.name: t for t in (InitTask(), ReduceScatterTask(), AllGatherTask(), StepTask())}
