@@ -114,3 +114,22 @@ def load_over_steps(runs: dict[str, Any], ranks: int) -> Any:
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def load_heatmaps(runs: dict[str, Any], ranks: int) -> Any:
+    """For each run (name -> an object with `kept`, (steps, E) rows per expert): the rows each expert computed
+    at every step as a heatmap (experts grouped by rank, white lines between ranks), one panel per run,
+    on one colour scale."""
+    kept = {name: np.asarray(run.kept, dtype=float) for name, run in runs.items()}
+    top = max(k.max() for k in kept.values())
+    fig, axes = plt.subplots(1, len(kept), figsize=(3.2 * len(kept), 3.0), sharey=True, squeeze=False)
+    for ax, (name, k) in zip(axes[0], kept.items()):
+        im = ax.imshow(k, aspect="auto", cmap="magma", vmin=0, vmax=top, interpolation="nearest")
+        per = k.shape[1] // ranks
+        for r in range(1, ranks):
+            ax.axvline(r * per - 0.5, color="white", lw=1.5)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(f"expert (ranks of {per} experts)", fontsize=8)
+    axes[0][0].set_ylabel("training step", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.85, label="rows computed")
+    return fig
