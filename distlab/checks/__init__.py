@@ -31,6 +31,7 @@ LABS = {
     "07_tensor_parallel": "distlab.checks.ch07",
     "08_pipeline": "distlab.checks.ch08",
     "09_training": "distlab.checks.ch09",
+    "10_moe": "distlab.checks.ch10",
 }
 
 
