@@ -41,6 +41,8 @@ TOUR_NOTEBOOKS = (
     "solutions/08_pipeline.ipynb",
     "notebooks/09_training.ipynb",
     "solutions/09_training.ipynb",
+    "notebooks/10_moe.ipynb",
+    "solutions/10_moe.ipynb",
 )
 
 
