@@ -51,6 +51,7 @@ import torch.distributed as dist
 from distlab.engine import procs
 from distlab.engine import runtime as _runtime
 from distlab.engine import strict as _strict
+from distlab.engine import watchdog as _watchdog
 
 BACKENDS = ("auto", "nccl", "gloo")
 # A last resort only: hangs are found by lack of progress (`stall`), not by the clock.
@@ -423,30 +424,19 @@ def _notes(stuck: list[int], workdir: str) -> dict[int, str]:
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe")
 
 
-# What NCCL's watchdog writes to a rank's stderr when a collective outlives the group's timeout
-# (the stall window, under distlab.launch) before it aborts the process.
-_WATCHDOG = "Watchdog caught collective operation timeout"
-# A rank's own report of the same thing on the strict backend (distlab.engine.strict).
+# A rank's own report of a stall on the strict backend (distlab.engine.strict).
 _STALL_TYPES = ("StrictStall", "CollectiveTimeout")
-
-
-def _watchdog_line(workdir: str, r: int) -> str:
-    try:
-        with open(os.path.join(workdir, f"rank{r}.errlog"), errors="replace") as f:
-            lines = [line.strip() for line in f if _WATCHDOG in line]
-    except OSError:
-        return ""
-    return lines[0] if lines else ""
 
 
 def _failure(ranks: list[Any], workdir: str, r: int, loads: Callable[[bytes], Any]) -> dict[str, Any]:
     err = _read_error(workdir, r, loads)
     if err is None:
         ranks[r].join(timeout=1)
-        watchdog = _watchdog_line(workdir, r)
+        # NCCL's watchdog aborts a rank without a Python error: its flight recorder's dump, the hang watch's
+        # last status with SIGABRT, or (last) the text NCCL printed say which op (distlab.engine.watchdog).
+        watchdog = _watchdog.abort_reason(workdir, r, ranks[r].exitcode)
         if watchdog:
-            err = {"type": "CollectiveTimeout", "traceback": "",
-                   "message": f"rank {r}: NCCL's watchdog stopped it after the stall window: {watchdog}"}
+            err = {"type": "CollectiveTimeout", "traceback": "", "message": watchdog}
         else:
             err = {"type": "ProcessDied", "traceback": "",
                    "message": f"the process exited with code {ranks[r].exitcode} without a Python "
@@ -612,10 +602,12 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list 
     `timeout` (seconds, default 4 h): a last-resort cap on the whole launch
     (raises `LaunchTimeout`). `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU
     ranks, enforce the rule a GPU enforces (see `distlab.engine.audit`);
-    `strict` implies it. On NCCL the process group's timeout is the stall
-    window: a rank spinning behind a hung kernel looks busy to the CPU-time
-    monitor, and the group's watchdog is what reports the collective that
-    never completed. `loads` (default `cloudpickle.loads`) reads each rank's
+    `strict` implies it. On NCCL a rank spinning behind a hung kernel
+    looks busy to the CPU-time monitor: there each rank's hang watch
+    (`distlab.engine.watchdog`, PyTorch's flight recorder compared through the
+    store) reports the op that never completed after the stall window, and the
+    group's own timeout is the stall window with a floor
+    (`runtime.group_timeout_s`), since NCCL counts from enqueue. `loads` (default `cloudpickle.loads`) reads each rank's
     result and error report; `distlab grade` passes a safe unpickler, since
     learner code runs on the ranks and can write anything into those files.
     `distlab grade --backend gloo` sets $DISTLAB_BACKEND, so that a check's
