@@ -237,6 +237,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     frozen = frozen_codes()
     tmp = os.path.realpath(__import__("tempfile").gettempdir()) + os.sep
     runner = tmp + "distlab-runner-"     # the runner's folder (every rank's event stream and inputs): not the rank's
+    # the checkout (package, labs, solutions, a venv) may itself live under the temporary folder (a CI clone in
+    # /tmp): it is never the rank's own
+    outside = (os.path.dirname(os.path.dirname(os.path.realpath(os.path.dirname(__file__)))) + os.sep, *libs)
     site_dirs = tuple(r for r in libs if r != stdlib[0])
     fd = os.open(stream_path, os.O_WRONLY)
     key = os.urandom(32)
@@ -314,7 +317,8 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         a sandbox the submission's own folder), outside the runner's: files there are the rank's own. Links
         stay evidence."""
         return _len(paths) > 0 and _all([_type(p) is _str and startswith(p, tmp) and "/.." not in p
-                                         and not startswith(p, runner) for p in paths])
+                                         and not startswith(p, runner) and not startswith(p, outside)
+                                         for p in paths])
 
     def learner(code: Any) -> bool:
         """Whether `code` is the learner's: not a library file's, and not the interpreter's frozen code (a
