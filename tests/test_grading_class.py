@@ -10,8 +10,9 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
 - issue 28's attacks (kernel limits, DoS results) and the honest solution on the same case, a third class run;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
   covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
-  whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8); beside it, in
-  labs 03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`). Unfilled labs:
+  whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8); after it, in
+  labs 03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`), graded on the
+  attacked task's first case only, with the solution's drawn inputs and references. Unfilled labs:
   the class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
@@ -20,6 +21,7 @@ conftest's `no_orphans`, applied after the whole session's grading).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import re
 import json
@@ -43,6 +45,7 @@ from distlab.grading import sandbox, seccomp
 from distlab.grading.cli import sandbox_for
 from distlab.grading.classrun import grade
 from distlab.grading.grade import Options, prepare
+from distlab.grading.lab import load_lab
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("make_class", ROOT / "tests/fixtures/grading/make_class.py")
@@ -135,10 +138,20 @@ def _grade_everything(tmp_path_factory, labs):
         return grade(lab("02_ddp", ["NaiveDDP, 2 ranks"]), [folder / "shortcut"], jobs=2, opts=opts)
 
     def lab_run(name):
-        # with the solution, where the lab has one (labs 03-08), an answer rebuilt from the package's seeds
+        # the solution on every task's first case; then, where the lab has one (labs 03-08), an answer rebuilt
+        # from the package's seeds, on the attacked task's first case only (the same drawn inputs and references:
+        # nothing is recomputed; the other tasks hold the solution's answers, graded just before)
+        shipped = lab(name, first_case=True)
         subs = {"correct": mk.solution_and_unfilled(name)["correct"], "predicted": mk.predicted_inputs(name)}
         paths = mk.write({k: v for k, v in subs.items() if v is not None}, folder / "labs" / name)
-        return _by_stem(grade(lab(name, first_case=True), [paths[k] for k in sorted(paths)], jobs=1, opts=opts))
+        got = _by_stem(grade(shipped, [paths["correct"]], jobs=1, opts=opts))
+        got["lines"] = [line for g in shipped.graded for line in g.lines]
+        if "predicted" in paths:
+            prefix = REBUILT[name][0]
+            attacked = dataclasses.replace(shipped, graded=[g for g in shipped.graded
+                                                            if any(x.startswith(prefix) for x in g.lines)])
+            got.update(_by_stem(grade(attacked, [paths["predicted"]], jobs=1, opts=opts)))
+        return got
 
     # longest first; the class runs grade two submissions at a time themselves
     work = [("class", class_run)] + ([("attacks", attack_run), ("kernel", kernel_run), ("shortcut", shortcut_run)]
@@ -151,7 +164,8 @@ def _grade_everything(tmp_path_factory, labs):
     finally:
         listener.close()
     leftover = [what for pid, what in _descendants().items() if pid not in before]
-    flat = {key: list(got.values()) if isinstance(got, dict) else got for key, got in done.items()}
+    flat = {key: [r for k, r in got.items() if k != "lines"] if isinstance(got, dict) else got
+            for key, got in done.items()}
     results = [r for got in flat.values() for r in got]
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     print(f"\ngraded {len(results)} submissions in {time.monotonic() - start:.0f} s: "
@@ -163,7 +177,7 @@ def _grade_everything(tmp_path_factory, labs):
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
         kernel=_by_stem(done.get("kernel", [])), shortcut=_by_stem(done.get("shortcut", [])), folder=folder,
-        labs={name: done[name]["correct"] for name in labs},
+        labs={name: done[name]["correct"] for name in labs}, lines={name: done[name]["lines"] for name in labs},
         predicted={name: done[name]["predicted"] for name in labs if "predicted" in done[name]},
         leftover=leftover)
 
@@ -435,8 +449,9 @@ def test_answers_rebuilt_from_the_package_s_seeds_score_zero(graded, lab_name):
     if lab_name not in graded.predicted:
         pytest.skip(f"{lab_name} is not graded in this session")
     prefix, says = REBUILT[lab_name]
-    attacked = [v for v in graded.predicted[lab_name].verdicts if v.check.startswith(prefix)]
-    assert len(attacked) == len(says) and all(v.points == 0 for v in attacked), attacked
+    attacked = graded.predicted[lab_name].verdicts          # graded on the attacked task only
+    assert [v.check.startswith(prefix) for v in attacked] == [True] * len(says), attacked
+    assert all(v.points == 0 for v in attacked), attacked
     for v, want in zip(attacked, says):
         assert v.reason and want in f"{v.check}: {v.reason}", (want, v.check, v.reason)
 
@@ -446,8 +461,9 @@ def test_answers_rebuilt_from_the_package_s_seeds_score_zero(graded, lab_name):
 @pytest.mark.parametrize("lab_name", sorted(LABS))
 def test_solutions_get_full_marks(graded, lab_name):
     correct = graded.labs[lab_name]
-    tasks = prepare(lab_name, first_case=True).graded       # references are cached: nothing is recomputed
-    lines = [line for g in tasks for line in g.lines]
+    # every graded line of every task's first case, as the shipped lab lists them (no reference recomputed)
+    lines = [line for g in load_lab(lab_name).first_cases().graded for line in g.lines]
+    assert graded.lines[lab_name] == lines
     assert [v.check for v in correct.verdicts] == lines
     assert correct.score == correct.max_score > 0 and not correct.flags and not correct.note, [
         (v.check, v.reason) for v in correct.verdicts if v.reason] + correct.flags + [correct.note]
