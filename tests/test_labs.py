@@ -79,14 +79,24 @@ def test_check_cells_are_one_line_and_name_the_labs_tasks(solution):
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_unfilled_lab_fails_every_graded_line(solution, no_orphans):
-    """The stubs (answers replaced by NotImplementedError), run as the grader runs them: every line FAILs."""
+def test_unfilled_lab_fails_every_graded_line(solution, no_orphans, monkeypatch):
+    """The stubs (answers replaced by NotImplementedError), run on ranks as the grader runs them: every line
+    FAILs, and fails because a stub raised (its first case's lines say "not implemented yet", the later cases'
+    that they were not run for that reason), not for any other cause.
+
+    The cases' references are not computed here: a stub raises before anything is judged, so no reference is
+    ever read (the reason asserted proves it), and the tests of the chapters' checks and of grading compute
+    every reference against the solutions. The work cap is then its floor, LIVELOCK_FLOOR_S of CPU."""
     from labkit import answers, run
     from distlab.checks import lab_module
+    from distlab.checks import task as task_mod
+    monkeypatch.setattr(task_mod, "_reference", lambda task, case: (None, 0.0))
     stubs = answers(solution.stem, stub=True)
     for task in lab_module(solution.stem).TASKS:
         lines = run(solution.stem, task, stubs)
         assert lines and not any(line.ok for line in lines), [str(line) for line in lines if line.ok]
+        assert lines[0].detail.startswith(task_mod.NOT_WRITTEN), (task, str(lines[0]))
+        assert all(line.detail.startswith(task_mod.NOT_WRITTEN) for line in lines), (task, [str(l) for l in lines])
 
 
 def test_a_lab_shows_no_verdict_and_nbval_reads_the_expected_lines(tmp_path, capsys, monkeypatch):
