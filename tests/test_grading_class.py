@@ -10,10 +10,13 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
 - issue 28's attacks (kernel limits, DoS results) and the honest solution on the same case, a third class run;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
   covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
-  whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8); after it, in
-  labs 03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`), graded on the
-  attacked task's first case only, with the solution's drawn inputs and references. Unfilled labs:
-  the class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
+  whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8), as one
+  learner's hand-ins of the whole course (`grade_together`: one runner, one sandbox, lab after lab: one
+  interpreter start for all of them; each lab's cases, inputs, audit and verdicts are still its own);
+- in labs 03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`), graded on
+  the attacked task's first case only, with the solution's drawn inputs and references, the six together as
+  a second hand-in. Unfilled labs: the class's `not_started` here, and every lab's stubs in tests/test_labs.py
+  (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
 conftest's `no_orphans`, applied after the whole session's grading).
@@ -43,7 +46,7 @@ import pytest
 from distlab.checks import LABS
 from distlab.grading import sandbox, seccomp
 from distlab.grading.cli import sandbox_for
-from distlab.grading.classrun import grade
+from distlab.grading.classrun import grade, grade_together
 from distlab.grading.grade import Options, prepare
 from distlab.grading.lab import load_lab
 
@@ -137,26 +140,37 @@ def _grade_everything(tmp_path_factory, labs):
         mk.write(mk.shortcut_attacks(), folder / "shortcut")
         return grade(lab("02_ddp", ["NaiveDDP, 2 ranks"]), [folder / "shortcut"], jobs=2, opts=opts)
 
-    def lab_run(name):
-        # the solution on every task's first case; then, where the lab has one (labs 03-08), an answer rebuilt
-        # from the package's seeds, on the attacked task's first case only (the same drawn inputs and references:
-        # nothing is recomputed; the other tasks hold the solution's answers, graded just before)
-        shipped = lab(name, first_case=True)
-        subs = {"correct": mk.solution_and_unfilled(name)["correct"], "predicted": mk.predicted_inputs(name)}
-        paths = mk.write({k: v for k, v in subs.items() if v is not None}, folder / "labs" / name)
-        got = _by_stem(grade(shipped, [paths["correct"]], jobs=1, opts=opts))
-        got["lines"] = [line for g in shipped.graded for line in g.lines]
-        if "predicted" in paths:
-            prefix = REBUILT[name][0]
-            attacked = dataclasses.replace(shipped, graded=[g for g in shipped.graded
-                                                            if any(x.startswith(prefix) for x in g.lines)])
-            got.update(_by_stem(grade(attacked, [paths["predicted"]], jobs=1, opts=opts)))
-        return got
+    shipped = {}
+
+    def prepared(name):
+        # every task's first case; each lab's references computed once, shared by its two hand-ins
+        with references:
+            if name not in shipped:
+                shipped[name] = prepare(name, first_case=True)
+            return shipped[name]
+
+    def solutions_run():
+        # every selected lab's solution, as one learner's hand-ins of the whole course: one runner, one sandbox
+        paths = mk.write({name: mk.solution_and_unfilled(name)["correct"] for name in labs}, folder / "solutions")
+        got = grade_together([(prepared(name), paths[name]) for name in labs], opts=opts)
+        return {name: r for name, r in zip(labs, got)}
+
+    def predicted_run():
+        # labs 03-08: an answer rebuilt from the package's seeds, graded on the attacked task's first case only,
+        # with the solution's drawn inputs and references (the other tasks hold the solution's answers, graded
+        # in solutions_run); the six as one hand-in, one runner
+        names = [name for name in labs if name in mk.PREDICTED]
+        paths = mk.write({name: mk.predicted_inputs(name) for name in names}, folder / "predicted")
+        attacked = [dataclasses.replace(prepared(name), graded=[
+            g for g in prepared(name).graded if any(x.startswith(REBUILT[name][0]) for x in g.lines)])
+            for name in names]
+        got = grade_together([(lab, paths[name]) for lab, name in zip(attacked, names)], opts=opts)
+        return {name: r for name, r in zip(names, got)}
 
     # longest first; the class runs grade two submissions at a time themselves
-    work = [("class", class_run)] + ([("attacks", attack_run), ("kernel", kernel_run), ("shortcut", shortcut_run)]
-                                     if BWRAP else [])
-    work += [(name, lambda name=name: lab_run(name)) for name in labs]
+    work = [("solutions", solutions_run), ("class", class_run)]
+    work += [("attacks", attack_run), ("kernel", kernel_run), ("shortcut", shortcut_run)] if BWRAP else []
+    work += [("predicted", predicted_run)]
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {key: pool.submit(fn) for key, fn in work}
@@ -164,8 +178,7 @@ def _grade_everything(tmp_path_factory, labs):
     finally:
         listener.close()
     leftover = [what for pid, what in _descendants().items() if pid not in before]
-    flat = {key: [r for k, r in got.items() if k != "lines"] if isinstance(got, dict) else got
-            for key, got in done.items()}
+    flat = {key: list(got.values()) if isinstance(got, dict) else got for key, got in done.items()}
     results = [r for got in flat.values() for r in got]
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     print(f"\ngraded {len(results)} submissions in {time.monotonic() - start:.0f} s: "
@@ -173,12 +186,12 @@ def _grade_everything(tmp_path_factory, labs):
           f"{sum(u.ru_utime + u.ru_stime for u in usage):.0f} CPU s in this process and the children it reaped")
     for key, got in flat.items():
         print(f"  {key}: {len(got)} submissions, {sum(r.cpu_s for r in got):.1f} CPU s, "
-              f"longest {max(r.seconds for r in got):.0f} s")
+              f"longest {max((r.seconds for r in got), default=0):.0f} s")
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
         kernel=_by_stem(done.get("kernel", [])), shortcut=_by_stem(done.get("shortcut", [])), folder=folder,
-        labs={name: done[name]["correct"] for name in labs}, lines={name: done[name]["lines"] for name in labs},
-        predicted={name: done[name]["predicted"] for name in labs if "predicted" in done[name]},
+        labs=done["solutions"], predicted=done["predicted"],
+        lines={name: [line for g in shipped[name].graded for line in g.lines] for name in labs},
         leftover=leftover)
 
 

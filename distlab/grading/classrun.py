@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 from distlab.grading import submission
-from distlab.grading.grade import Options, Result, failed, one_line, prepare, read_answers, run_answers
+from distlab.grading.grade import (Options, Result, failed, one_line, prepare, read_answers, run_answers,
+                                  run_together)
 from distlab.grading.lab import ShippedLab
 
 
@@ -95,3 +96,38 @@ def grade(lab: str | Path | ShippedLab, submissions: list[Path], *, out: Path | 
         if out is not None:
             write_reports(ordered, Path(out), lab=the_lab.name)
     return ordered
+
+
+def grade_together(hand_ins: list[tuple[ShippedLab, Path]], *, opts: Options | None = None) -> list[Result]:
+    """One hand-in's notebooks for several labs (`(lab, notebook)` pairs), graded by ONE runner in one
+    sandbox, lab after lab: one interpreter start and one fork server instead of one per notebook (a
+    learner checking every lab, a course's own solutions). Nothing else changes: every lab's cases, inputs,
+    audit and verdicts are its own. A Result per pair, in order; a notebook that cannot be read gets its one
+    line and the others are still graded. Only for notebooks of one author: they share one sandbox."""
+    opts = opts or Options()
+    results: dict[int, Result] = {}
+    parts, where = [], []
+    for k, (lab, path) in enumerate(hand_ins):
+        name = display_name(path)
+        try:
+            answers, notes = read_answers(lab, path)
+        except submission.BadSubmission as exc:
+            results[k] = failed(lab, name, str(exc))
+            continue
+        parts.append((lab, answers))
+        where.append((k, name, notes))
+    if parts:
+        start = time.monotonic()
+        try:
+            judged, cpu_s = run_together(parts, "+".join(name for _, name, _ in where), opts)
+        except Exception as exc:  # noqa: BLE001 - a broken run is a line per notebook, never a crash
+            judged, cpu_s = [None] * len(parts), 0.0
+            why = f"internal error while grading ({type(exc).__name__}: {exc}); please report it"
+        for (k, name, notes), (lab, _), got in zip(where, parts, judged):
+            if got is None:
+                results[k] = failed(lab, name, why)
+                continue
+            verdicts, flags, failure = got
+            results[k] = Result(name, verdicts, one_line("; ".join(notes + ([failure] if failure else []))), flags,
+                                cpu_s=cpu_s / len(parts), seconds=time.monotonic() - start)
+    return [results[k] for k in range(len(hand_ins))]

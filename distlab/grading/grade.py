@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import dataclasses
 import os
 import re
 import tempfile
@@ -246,14 +247,32 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None =
     return verdicts, flags
 
 
+def _part(lab: ShippedLab, answers: list[tuple[str, str]]) -> dict:
+    """One lab's share of a runner's job: its graded cases, the answer cells, each case's secret inputs."""
+    return {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
+            "names": {g.task.name: list(g.names) for g in lab.graded},
+            "inputs": {f"{t}/{i}": [base64.b64encode(b).decode() for b in blobs]
+                       for (t, i), blobs in lab.inputs.items() if any(g.task.name == t and i in g.cases
+                                                                      for g in lab.graded)}}
+
+
 def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts: Options
                 ) -> tuple[list[Verdict], list[str], str, float]:
     """Run one set of answer cells in a runner and judge it: (verdicts, audit flags, runner failure, CPU s)."""
-    job = {"lab": lab.name, "tasks": [(g.task.name, list(g.cases)) for g in lab.graded], "cells": answers,
-           "names": {g.task.name: list(g.names) for g in lab.graded}, "stall_s": opts.stall_s,
-           "cap_s": opts.case_cap_s, "backend": opts.backend,
-           "inputs": {f"{t}/{i}": [base64.b64encode(b).decode() for b in blobs]
-                      for (t, i), blobs in lab.inputs.items()}}
+    ((verdicts, flags, failure),), cpu_s = run_together([(lab, answers)], name, opts)
+    return verdicts, flags, failure, cpu_s
+
+
+def run_together(parts: list[tuple[ShippedLab, list[tuple[str, str]]]], name: str, opts: Options
+                 ) -> tuple[list[tuple[list[Verdict], list[str], str]], float]:
+    """One hand-in's answers to several labs, run in turn by one runner in one sandbox (one interpreter and
+    fork server for all of them: a learner checking every lab, or a whole course's solutions), each lab judged
+    on its own records: ([(verdicts, audit flags, runner failure)] in the order of `parts`, CPU s of all)."""
+    job = {"stall_s": opts.stall_s, "cap_s": opts.case_cap_s, "backend": opts.backend}
+    if len(parts) == 1:
+        job.update(_part(*parts[0]))
+    else:
+        job["parts"] = [_part(lab, answers) for lab, answers in parts]
     if opts.keep:
         log = Path(opts.keep) / f"{Path(name).stem}.runner.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -263,7 +282,7 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
         log = Path(raw)
     on_record = None
     if opts.progress is not None:
-        total, count = sum(len(g.cases) for g in lab.graded), [0]
+        total, count = sum(len(g.cases) for lab, _ in parts for g in lab.graded), [0]
 
         def on_record(rec: dict) -> None:
             if rec.get("kind") == "case":
@@ -277,8 +296,13 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
     finally:
         if not opts.keep:
             log.unlink(missing_ok=True)
-    verdicts, flags = judge(lab, outcome, shortcuts.named(lab.name, [source for _, source in answers]))
-    return verdicts, flags, outcome.failure, outcome.cpu_s
+    out = []
+    for lab, answers in parts:
+        mine = dataclasses.replace(outcome, records=[r for r in outcome.records
+                                                     if r.get("kind") != "case" or r.get("lab") == lab.name])
+        verdicts, flags = judge(lab, mine, shortcuts.named(lab.name, [source for _, source in answers]))
+        out.append((verdicts, flags, mine.failure))
+    return out, outcome.cpu_s
 
 
 def failed(lab: ShippedLab, name: str, note: str) -> Result:

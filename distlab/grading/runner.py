@@ -12,6 +12,8 @@ sealed records (`distlab.grading.channel`) to W, which no rank inherits. It
 makes itself non-dumpable first, so processes of the same user (the ranks)
 cannot read its memory or file descriptors through /proc or ptrace.
 
+A job may be a bundle: one hand-in's answers to several labs (`parts`), run one lab after the other in
+the same sandbox (`distlab.grading.grade.run_together`); each case record names its lab.
 For each task the lab grades, for each of its cases graded, it launches
 `rankside.run_case` on the case's ranks with `distlab.launch` (one
 forkserver for the whole submission; hangs end by the launcher's progress
@@ -238,10 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     from distlab.engine.launch import _PRELOAD
     job = json.load(sys.stdin)
     limits(job)
-    module = lab_module(job["lab"])        # imported here, the ranks (forked from the fork server) have it too
-    # what the ranks would otherwise import again on every launch: the lab's own list, else the launcher's
-    for name in (*getattr(module, "RANK_IMPORTS", _PRELOAD), "distlab.grading.rankside", "distlab.grading.safeload",
-                 "distlab.checks.verdict"):
+    # a bundle: one hand-in's answers to several labs (`parts`), each part a lab's job, run in turn
+    parts = [{**job, **part} for part in job.get("parts") or [job]]
+    # imported here, the ranks (forked from the fork server) have them too
+    modules = [lab_module(part["lab"]) for part in parts]
+    # what the ranks would otherwise import again on every launch: each lab's own list, else the launcher's
+    preload = dict.fromkeys(name for module in modules for name in getattr(module, "RANK_IMPORTS", _PRELOAD))
+    for name in (*preload, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
         __import__(name)
     _fork_server((args.result_fd, args.secret_fd, 0))
     _no_dump()
@@ -254,24 +259,26 @@ def main(argv: list[str] | None = None) -> int:
     writer = Writer(args.result_fd, secret)
     del secret
     work = tempfile.mkdtemp(prefix="distlab-runner-")
-    for name, indices in job["tasks"]:
-        task = module.TASKS[name]
-        skip = ""
-        cases = task.cases()
-        for index in indices:
-            case = cases[index]
-            if skip:
-                rec = {"kind": "case", "task": name, "case": index, "world_size": case.world_size,
-                       "status": "error", "reason": skip, "streams": [], "flooded": []}
-            else:
-                folder = os.path.join(work, f"{name}-{index}")
-                os.mkdir(folder)
-                started = time.monotonic()
-                rec = run_case(job, task, index, case, folder)
-                print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
-                      f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-                skip = later_cases_reason(case.world_size, rec.get("reason", ""), rec.get("stuck", "")) or ""
-            writer.send(json.dumps(rec).encode())
+    for part, module in zip(parts, modules):
+        for name, indices in part["tasks"]:
+            task = module.TASKS[name]
+            skip = ""
+            cases = task.cases()
+            for index in indices:
+                case = cases[index]
+                if skip:
+                    rec = {"kind": "case", "task": name, "case": index, "world_size": case.world_size,
+                           "status": "error", "reason": skip, "streams": [], "flooded": []}
+                else:
+                    folder = os.path.join(work, f"{part['lab']}-{name}-{index}")
+                    os.mkdir(folder)
+                    started = time.monotonic()
+                    rec = run_case(part, task, index, case, folder)
+                    print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
+                          f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+                    skip = later_cases_reason(case.world_size, rec.get("reason", ""), rec.get("stuck", "")) or ""
+                rec["lab"] = part["lab"]
+                writer.send(json.dumps(rec).encode())
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
     shutil.rmtree(work, ignore_errors=True)
     import resource

@@ -170,16 +170,21 @@ def sized(cmd: list[str], memory_bytes: int) -> list[str]:
     return out
 
 
-def hidden(lab: str, folder: str) -> list[str]:
-    """bwrap arguments that hide the package's answers to `lab` (`shortcuts.HIDDEN`): each module's source is bound over
-    by a copy whose answer functions raise (written to `folder`), and its compiled copies by empty files.
-    Reading the file, importing or reloading the module inside the sandbox finds no answer."""
+def hidden(lab: str | list[str], folder: str) -> list[str]:
+    """bwrap arguments that hide the package's answers to `lab` (`shortcuts.HIDDEN`; a list: to each of those
+    labs): each module's source is bound over by a copy whose answer functions raise (written to `folder`),
+    and its compiled copies by empty files. Reading the file, importing or reloading the module inside the
+    sandbox finds no answer."""
     import ast
     import importlib.util
 
     from distlab.grading.shortcuts import HIDDEN
     out: list[str] = []
-    for module, names in HIDDEN.get(lab, ()):
+    hide: dict[str, set[str]] = {}
+    for one in [lab] if isinstance(lab, str) else lab:
+        for module, names in HIDDEN.get(one, ()):
+            hide.setdefault(module, set()).update(names)
+    for module, names in hide.items():
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.origin:
             continue
@@ -292,7 +297,8 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
             cmd += ["--uid", str(UID_BASE + slot)]
         job = {**job, **limits.job(cap_s)}
         workdir = tempfile.mkdtemp(prefix="distlab-hidden-")
-        cmd = sized(sandbox, limits.memory_bytes) + hidden(job.get("lab", ""), workdir) + ["--"] + cmd
+        labs = [part.get("lab", "") for part in job.get("parts") or [job]]
+        cmd = sized(sandbox, limits.memory_bytes) + hidden(labs, workdir) + ["--"] + cmd
         cwd, env = "/", None
     else:
         workdir = tempfile.mkdtemp(prefix="distlab-grade-")
