@@ -412,6 +412,26 @@ def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_wr
 
 
 @needs_bwrap
+def test_a_busy_loop_is_stopped_with_a_verdict_naming_its_line_within_30_s(graded):
+    # issue 34: a ring whose step is never increased keeps both ranks busy, sending and receiving forever. The
+    # grader stops the case at the notebook's livelock bound (10x the reference's time, at least 6 CPU s per
+    # rank), not at the 180 s cap, and names the line each rank was at.
+    r = graded.kernel["busy_loop"]
+    assert r.score == 0 and not r.flags and not r.note, (r.verdicts, r.flags, r.note)
+    source = mk.kernel_attacks()["busy_loop"]
+    cell = next(c for c in source.cells if mk.BUSY_LOOP[1] in c.source)
+    lines = cell.source.splitlines()
+    loop = range(lines.index(mk.BUSY_LOOP[1].splitlines()[1]) + 1, lines.index("    return tensor") + 1)
+    for v in r.verdicts:
+        assert v.reason.startswith("never finished: rank(s) [0, 1] were still working after "), v.reason
+        assert re.search(r"after [0-9.]+ s of CPU time, far longer", v.reason), v.reason
+        at = re.findall(r"rank \d was at \w+ \(answer cell " + re.escape(cell.id) + r", line (\d+)\)", v.reason)
+        assert at and all(int(n) in loop for n in at), (v.reason, list(loop))       # a line of the loop
+        stopped = re.search(r"\(stopped (\d+) s after the case started\)", v.reason)
+        assert stopped and int(stopped.group(1)) <= 30, v.reason
+
+
+@needs_bwrap
 def test_a_lab_s_library_shortcut_scores_zero_named_or_built_at_run_time(graded):
     named, built = graded.shortcut["ddp_named"], graded.shortcut["ddp_built_name"]
     # PyTorch's DDP gets the values right: only the shortcut rule stops it

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
 
-from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, validate
+from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, _reference, reference_of, validate, work_cap_for
 from distlab.checks.verdict import CheckFailed, reason
 from distlab.grading import evidence, resultcheck, sandbox, secret, shortcuts, submission, wire
 from distlab.grading.lab import ShippedLab, load_lab
@@ -71,7 +71,8 @@ class Result:
 class Options:
     sandbox: list[str] | None = None      # the bwrap argv, or None to run without a sandbox
     stall_s: float = CHECK_STALL_S        # a case's ranks idle this long: hung (the launcher's detection)
-    case_cap_s: float = 180.0             # last resort per launch (ranks that keep working: a busy loop)
+    # a rank busy past its case's work cap (`prepare`: the notebook's livelock bound) is stopped, its line named
+    case_cap_s: float = 180.0             # last resort per launch (wall clock)
     submission_cap_s: float = 1800.0      # last resort per submission
     backend: str = "gloo"
     keep: Path | None = None              # keep each runner's log here
@@ -122,10 +123,14 @@ def _prepare(lab: str | Path, only: list[str] | None, *, first_case: bool) -> Sh
         for i in graded.cases:
             drawn = secret.draw(graded.task, cases[i])     # from a secret seed, or None: fixed inputs
             if drawn is None:
-                reference_of(graded.task, cases[i])
-                continue
-            the_lab.references[graded.task.name, i] = graded.task.reference(cases[i], inputs=drawn)
-            the_lab.inputs[graded.task.name, i] = [secret.blob(x) for x in drawn]
+                seconds = _reference(graded.task, cases[i])[1]     # cached, with the time it took once
+            else:
+                start = time.monotonic()
+                the_lab.references[graded.task.name, i] = graded.task.reference(cases[i], inputs=drawn)
+                seconds = time.monotonic() - start
+                the_lab.inputs[graded.task.name, i] = [secret.blob(x) for x in drawn]
+            # a busy loop (livelock) is stopped at the notebook's bound: 10x the reference, at least 6 CPU s
+            the_lab.work_caps[graded.task.name, i] = work_cap_for(seconds)
     return the_lab
 
 
@@ -253,7 +258,8 @@ def _part(lab: ShippedLab, answers: list[tuple[str, str]]) -> dict:
             "names": {g.task.name: list(g.names) for g in lab.graded},
             "inputs": {f"{t}/{i}": [base64.b64encode(b).decode() for b in blobs]
                        for (t, i), blobs in lab.inputs.items() if any(g.task.name == t and i in g.cases
-                                                                      for g in lab.graded)}}
+                                                                      for g in lab.graded)},
+            "work_caps": {f"{t}/{i}": cap for (t, i), cap in lab.work_caps.items()}}
 
 
 def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts: Options

@@ -50,6 +50,7 @@ class ShippedLab:
     answer_cells: list[tuple[str, list[str]]] = field(default_factory=list)   # (cell id, names it defines)
     references: dict = field(default_factory=dict)   # (task, case index) -> reference, when drawn secretly
     inputs: dict = field(default_factory=dict)       # (task, case index) -> each rank's secret inputs (safetensors)
+    work_caps: dict = field(default_factory=dict)    # (task, case index) -> livelock bound, CPU s per rank
 
     def select(self, only: list[str] | None) -> "ShippedLab":
         """Keep the tasks whose name contains one of `only`, and the cases of other tasks one of

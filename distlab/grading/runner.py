@@ -17,10 +17,12 @@ the same sandbox (`distlab.grading.grade.run_together`); each case record names 
 For each task the lab grades, for each of its cases graded, it launches
 `rankside.run_case` on the case's ranks with `distlab.launch` (one
 forkserver for the whole submission; hangs end by the launcher's progress
-detection) and sends one record per case: the ranks' raw outputs (safetensors bytes, never
-parsed here; the launcher's wrapper around them is read by `plain_loads`), each rank's raw
-event stream with its key, or why the case failed. After a hang (or a case
-that ran past its cap), a task's later cases are not run. Then a `done` record, and exit 0: the grader treats
+detection, busy loops at the case's work cap, the notebook's livelock bound
+computed in `grade.prepare`) and sends one record per case: the ranks' raw
+outputs (safetensors bytes, never parsed here; the launcher's wrapper around
+them is read by `plain_loads`), each rank's raw event stream with its key, or
+why the case failed. After a hang, a busy loop or a case that ran past its
+cap, a task's later cases are not run. Then a `done` record, and exit 0: the grader treats
 anything else as a failed submission.
 """
 from __future__ import annotations
@@ -146,11 +148,12 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     from distlab.checks.verdict import reason
     from distlab.grading.rankside import run_case as on_rank
     from distlab.grading.safeload import plain_loads
-    from distlab.engine.launch import LaunchStalled, LaunchTimeout, run_on_ranks
+    from distlab.engine.launch import LaunchOverran, LaunchStalled, LaunchTimeout, run_on_ranks
     from distlab.grading.secret import offer
     streams = _Streams(folder, case.world_size)
     record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
     offered: list[int] = []
+    started = time.monotonic()
     try:
         inputs = (job.get("inputs") or {}).get(f"{task.name}/{index}")
         paths = [os.path.join(folder, f"inputs{r}") for r in range(case.world_size)] if inputs else None
@@ -159,15 +162,18 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
         outputs = run_on_ranks(on_rank, case.world_size,
                          args=(job["lab"], task.name, index, job["cells"], job["names"][task.name], streams.paths, job["cap_s"]),
                          kwargs=dict(input_paths=paths, stall_s=job["stall_s"]), backend=job["backend"],
-                         stall=job["stall_s"],
+                         stall=job["stall_s"], work_cap=(job.get("work_caps") or {}).get(f"{task.name}/{index}"),
                          timeout=job["cap_s"], loads=plain_loads)
         if not all(isinstance(o, bytes) for o in outputs):
             raise TypeError("a rank returned something other than its outputs (safetensors bytes)")
         record.update(status="ok", outputs=[base64.b64encode(o).decode() for o in outputs])
     except Exception as exc:  # noqa: BLE001 - every failure is a line of the report
-        stuck = "hung" if isinstance(exc, LaunchStalled) else "ran past the cap" if isinstance(exc, LaunchTimeout) \
-            else ""
-        record.update(status="error", reason=reason(exc, task.hang_hint), stuck=stuck)
+        stuck = "hung" if isinstance(exc, LaunchStalled) else "never finished" if isinstance(exc, LaunchOverran) \
+            else "ran past the cap" if isinstance(exc, LaunchTimeout) else ""
+        why = reason(exc, task.hang_hint)
+        if isinstance(exc, LaunchOverran):       # a busy loop: how long the learner waited for this line
+            why = f"{why} (stopped {time.monotonic() - started:.0f} s after the case started)"
+        record.update(status="error", reason=why, stuck=stuck)
     for fd in offered:
         os.close(fd)
     record["streams"] = [base64.b64encode(s).decode() for s in streams.close()]
