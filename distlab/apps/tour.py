@@ -222,6 +222,7 @@ def scale_records(quick: bool) -> list[dict[str, Any]]:
                            predicted_model_state_bytes=r.predicted_model_state_bytes,
                            comm_bytes_per_step=r.comm_bytes_per_step,
                            predicted_comm_bytes_per_step=r.predicted_comm_bytes_per_step,
+                           collective_calls=dict(r.comm.calls),
                            peak_bytes=r.peak_bytes, simulation_s=round(r.seconds, 2)))
     return rows
 
