@@ -1,8 +1,13 @@
 """A learner's first session, in a real browser: JupyterLab + headless Chromium (Debian's), driven by selenium.
 
-It opens notebook 00 with the ZeRO memory calculator added as its last cell, runs every cell
-(ranks launch from the browser's kernel), and asserts that the cells ran without an error and
-that the calculator renders as a widget (sliders and its table), not as `VBox(children=...)`.
+It opens the first session of notebook 00 -- its set-up cell, the first launch (ranks print from the
+browser's kernel), the all-reduce across ranks and the failing rank caught as `RankFailed` -- with the
+ZeRO memory calculator added as its last cell, runs every cell through JupyterLab's own command, and
+asserts that the cells ran without an error, that the ranks' output reached the page, and that the
+calculator renders as a widget (sliders and its table), not as `VBox(children=...)`.
+The rest of notebook 00 (relaunch timings, the hang demos, the doctor) runs under nbval in every
+suite run (`pytest --nbval-lax notebooks/00_launching.ipynb`), in a Jupyter kernel as here; the
+browser adds the front end, which those cells use no differently from the first launch.
 One notebook, one kernel: a second notebook would only start another kernel and import torch again.
 
 Needs `chromium` and `chromedriver` (Debian packages `chromium`, `chromium-driver`; .ci/run
@@ -27,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
 REQUIRED = os.environ.get("DISTLAB_REQUIRE_BROWSER") == "1"
 NOTEBOOK = "00_launching.ipynb"
+# The cells of notebook 00 the browser runs after its set-up cell, each found by a line of its source:
+# the first launch, an all-reduce, a failing rank caught.
+FIRST_SESSION = ("squares = distlab.launch(hello, N)", "def sum_of_ranks():", "def buggy():")
 
 
 def _missing() -> str:
@@ -56,9 +64,10 @@ def lab(tmp_path_factory):
     """A JupyterLab server on a private folder holding notebook 00, the calculator added as its last cell."""
     folder = tmp_path_factory.mktemp("lab")
     nb = nbformat.read(ROOT / "notebooks" / "00_launching.ipynb", as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    nb.cells = [code[0]] + [next(c for c in code if mark in c.source) for mark in FIRST_SESSION]
     for cell in nb.cells:   # as a learner opens it after "Clear All Outputs": what shows, this run made
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
+        cell.outputs, cell.execution_count = [], None
     nb.cells.append(nbformat.v4.new_code_cell("from distlab.viz.widgets import memory_calculator\nmemory_calculator()"))
     nbformat.write(nb, folder / NOTEBOOK)
     port, token = _free_port(), uuid.uuid4().hex
@@ -69,17 +78,21 @@ def lab(tmp_path_factory):
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={folder}", "--LabApp.expose_app_in_browser=True",
          "--ServerApp.disable_check_xsrf=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
         cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    def serving() -> tuple[str, str]:
+        """The server's address and token, once it accepts connections (the browser starts meanwhile)."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
+                return f"http://127.0.0.1:{port}", token
             except OSError:
                 if server.poll() is not None:
                     raise RuntimeError("jupyter lab exited before it served a page")
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}", token
+                time.sleep(0.2)
+        raise RuntimeError("jupyter lab served no page within 120 s")
+
+    try:
+        yield serving
     finally:
         from distlab.engine.procs import kill_tree
         kill_tree([server.pid], grace_s=10)   # the server, its kernels and their ranks
@@ -123,7 +136,7 @@ def _open_and_run_all(driver, base: str, token: str, name: str, timeout: float =
         state = driver.execute_script(_STATE_JS)
         if state and state["path"].endswith(name) and state["kernel"] == "idle":
             break
-        time.sleep(1)
+        time.sleep(0.25)
     else:
         raise AssertionError(f"{name}: the notebook and its kernel were not ready within 120 s ({state})")
     deadline, sent = time.monotonic() + timeout, 0.0
@@ -134,7 +147,7 @@ def _open_and_run_all(driver, base: str, token: str, name: str, timeout: float =
         if state["ran"] == 0 and state["kernel"] == "idle" and time.monotonic() - sent > 15:
             driver.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells');")
             sent = time.monotonic()
-        time.sleep(1)
+        time.sleep(0.25)
     raise AssertionError(f"{name}: not every cell ran within {timeout:.0f} s ({state})")
 
 
@@ -157,15 +170,17 @@ def _text(outputs: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def ran(lab, browser) -> list[dict]:
-    """Notebook 00 (and the calculator), run once in the browser: every output of it."""
-    base, token = lab
+    """Notebook 00's first session (and the calculator), run once in the browser: every output of it."""
+    base, token = lab()
     _open_and_run_all(browser, base, token, NOTEBOOK)
     return _outputs(browser)
 
 
 def test_notebook_00_runs_in_a_browser(ran):
     text = _text(ran)
-    assert "[rank 0]" in text, text[-3000:]            # ranks launched from the browser's kernel replied
+    assert "[rank 0] I am rank 0 of 4" in text, text[-3000:]   # ranks launched from the browser's kernel replied
+    assert "rank 3: before [4.0, 4.0, 4.0] -> after [10.0, 10.0, 10.0]" in text, text[-3000:]   # an all-reduce
+    assert "caught RankFailed from rank 3 (ZeroDivisionError)" in text, text[-3000:]           # a failing rank
     errors = [o for o in ran if o.get("output_type") == "error"]
     assert not errors, [(e.get("ename"), e.get("evalue")) for e in errors]
 
