@@ -15,8 +15,8 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
   interpreter start for all of them; each lab's cases, inputs, audit and verdicts are still its own);
 - in labs 03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`), graded on
   the attacked task's first case only, with the solution's drawn inputs and references, the six together as
-  a second hand-in. Unfilled labs: the class's `not_started` here, and every lab's stubs in tests/test_labs.py
-  (the same task code).
+  a second hand-in, with lab 8's schedule tables taken from the package (issue 38). Unfilled labs: the
+  class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
 conftest's `no_orphans`, applied after the whole session's grading).
@@ -159,11 +159,17 @@ def _grade_everything(tmp_path_factory, labs):
         # labs 03-08: an answer rebuilt from the package's seeds, graded on the attacked task's first case only,
         # with the solution's drawn inputs and references (the other tasks hold the solution's answers, graded
         # in solutions_run); the six as one hand-in, one runner
+        # With them, issue 38's route to lab 8's answers in the package (its two schedule-table tasks' smaller
+        # cases, one rank each; they scored 7/7 before), always graded.
         names = [name for name in labs if name in mk.PREDICTED]
         paths = mk.write({name: mk.predicted_inputs(name) for name in names}, folder / "predicted")
+        paths["package_answers"] = mk.write({"package_answers": mk.package_answers()}, folder / "routes")[
+            "package_answers"]
         attacked = [dataclasses.replace(prepared(name), graded=[
             g for g in prepared(name).graded if any(x.startswith(REBUILT[name][0]) for x in g.lines)])
             for name in names]
+        attacked.append(lab("08_pipeline", ["interleaved, p=2", "zero_bubble, p=2"]))
+        names.append("package_answers")
         got = grade_together([(lab, paths[name]) for lab, name in zip(attacked, names)], opts=opts)
         return {name: r for name, r in zip(names, got)}
 
@@ -190,7 +196,8 @@ def _grade_everything(tmp_path_factory, labs):
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
         kernel=_by_stem(done.get("kernel", [])), shortcut=_by_stem(done.get("shortcut", [])), folder=folder,
-        labs=done["solutions"], predicted=done["predicted"],
+        labs=done["solutions"], predicted={k: r for k, r in done["predicted"].items() if k in mk.PREDICTED},
+        package_answers=done["predicted"]["package_answers"],
         lines={name: [line for g in shipped[name].graded for line in g.lines] for name in labs},
         leftover=leftover)
 
@@ -452,6 +459,16 @@ def test_lab2_inputs_rebuilt_from_the_package_s_seeds_score_zero(graded):
     broadcast, frozen, tied, traffic = r.verdicts
     assert "rank 1's" in broadcast.reason and "rank 0's" in frozen.reason, r.verdicts
     assert "0 all-reduces" in traffic.reason, traffic.reason
+
+
+@needs_bwrap
+def test_lab8s_answers_in_the_package_are_out_of_a_submission_s_reach(graded):
+    # issue 38: lab 8's schedule tables are `simulate`'s order functions; the package's copy is hidden in the
+    # sandbox (a fresh reload from its file included). Graded with the REBUILT answers, as one hand-in, always;
+    # the honest solution's marks under the same sandbox: test_solutions_get_full_marks
+    package = graded.package_answers
+    assert package.score == 0 and package.max_score == 7, [(v.check, v.reason) for v in package.verdicts]
+    assert all("not implemented yet" in v.reason for v in package.verdicts), [v.reason for v in package.verdicts]
 
 
 # The attacked task of each lab's PREDICTED answer (make_class): its lines' prefix, and what each of them says
