@@ -15,10 +15,11 @@ os.environ.setdefault("DISTLAB_DEVICE_AUDIT", "1")
 # The suite runs on xdist workers, a file (a notebook) at a time, in collection order
 # (`--no-loadscope-reorder`): the files that take longest go first, so that the run does not end with one
 # worker on a long file while the other is idle. Roughly longest first: the sandboxed grading (two
-# submissions at a time), the torchrun cluster jobs, the browser, then the notebooks (solutions before
-# lectures, later chapters first), then everything else in its usual order.
-LONGEST_FIRST = ("tests/test_grading_class.py", "tests/test_cluster.py", "tests/test_browser.py",
-                 "tests/test_labs.py", "tests/test_tour.py", "tests/test_launch.py")
+# submissions at a time), the torchrun cluster jobs, the simulations (the planner's recipes, fake against
+# gloo), the browser, the labs' stubs, the tour, then the notebooks (solutions before lectures, later
+# chapters first), then everything else in its usual order.
+LONGEST_FIRST = ("tests/test_grading_class.py", "tests/test_cluster.py", "tests/test_sim.py",
+                 "tests/test_browser.py", "tests/test_labs.py", "tests/test_tour.py", "tests/test_launch.py")
 
 
 def _file_rank(path: str) -> tuple:
