@@ -1,7 +1,7 @@
 """Lab 2's graded tasks: naive, overlapped and bucketed data parallelism.
 
 Each wrapper task trains the `"frozen"` and the `"tied"` model
-(`distlab.course.data_parallel.reference`) for four SGD steps on 2 and on 4 ranks and returns the
+(`distlab.course.data_parallel.reference`) for four SGD steps (two in quick mode) on 2 and on 4 ranks and returns the
 parameters and every step's collectives, counted by the comm meter in two
 windows: during `backward()` and during `finish_gradient_synchronization()`.
 On 2 ranks it first wraps a model built from a different seed on every rank,
@@ -50,7 +50,8 @@ import distlab
 from distlab import add_to_class
 from distlab.course.data_parallel.ddp import Bucket"""
 
-STEPS, BATCH = 4, 8            # BATCH splits evenly over 2 and 4 ranks
+# quick mode (tests): 2 steps, the second already reads what the first left; BATCH splits evenly over 2 and 4 ranks
+STEPS, BATCH = distlab.pick(quick=2, full=4), 8
 BUCKET_MB = 0.02               # several buckets even on the 34k-parameter model
 SEED_OFFSET = 100              # rank r builds its first model from seed 100 + r
 TOL = dict(atol=1e-5, rtol=1e-4)  # fp32 SGD: summation order only

@@ -15,7 +15,7 @@ from distlab.engine.precision import MixedPrecisionAdam
 
 SEED_OFFSET = 100            # rank r builds its model from seed 100 + r where the broadcast is checked
 BATCH = 12                   # splits evenly over 2, 3 and 4 ranks
-STEPS = 4
+STEPS = distlab.pick(quick=2, full=4)   # quick mode (tests): the second step already reads the first one's state
 INNER_SGD = dict(lr=0.1)     # an inner optimizer for the steps that never call it
 # The optimizers the last step trains with. AdamW's eps is 1e-6 rather than 1e-8: with 1e-8 an entry whose
 # gradient is ~1e-9 (rounding noise, different in every summation order) gets a full lr-sized step, and no
