@@ -210,6 +210,11 @@ def reference_of(task: Task, case: Case) -> Any:
     return _reference(task, case)[0]
 
 
+def reference_seconds(task: Task, case: Case) -> float:
+    """How long `task.reference(case)` took when this process computed it (cached, like reference_of)."""
+    return _reference(task, case)[1]
+
+
 def work_cap_for(reference_s: float) -> float:
     """The livelock bound of a case whose reference took `reference_s` seconds: the CPU seconds its busiest
     rank may use (`run_on_ranks(work_cap=...)`); LIVELOCK_FACTOR x the reference, at least LIVELOCK_FLOOR_S."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
 
-from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, _reference, reference_of, validate, work_cap_for
+from distlab.checks.task import CHECK_STALL_S, Case, Line, Task, reference_of, reference_seconds, validate, work_cap_for
 from distlab.checks.verdict import CheckFailed, reason
 from distlab.grading import evidence, resultcheck, sandbox, secret, shortcuts, submission, wire
 from distlab.grading.lab import ShippedLab, load_lab
@@ -123,7 +123,7 @@ def _prepare(lab: str | Path, only: list[str] | None, *, first_case: bool) -> Sh
         for i in graded.cases:
             drawn = secret.draw(graded.task, cases[i])     # from a secret seed, or None: fixed inputs
             if drawn is None:
-                seconds = _reference(graded.task, cases[i])[1]     # cached, with the time it took once
+                seconds = reference_seconds(graded.task, cases[i])     # cached, with the time it took once
             else:
                 start = time.monotonic()
                 the_lab.references[graded.task.name, i] = graded.task.reference(cases[i], inputs=drawn)
