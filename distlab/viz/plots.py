@@ -11,31 +11,38 @@ import matplotlib.pyplot as plt
 
 COMPONENT_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_state": "#55A868", "other": "#8C8C8C",
                     "total": "#C7C7C7"}  # "total": a prediction given without a split
+# memory_bars also takes the optimizer states split by key (fp32 master copy, Adam's m and v), stacked in this order
+_STACK_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "master": "#2E7D4F", "exp_avg": "#55A868",
+                 "exp_avg_sq": "#9FD3A8", **{k: v for k, v in COMPONENT_COLORS.items() if k not in ("params", "grads")}}
 KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452"}
 MB = 2 ** 20
 
 
 def memory_bars(measured: Sequence[Mapping[str, float]], labels: Sequence[str],
                 predicted: Sequence[Mapping[str, float]] | None = None, *,
-                title: str = "Model-state memory per rank", unit: float = MB) -> plt.Figure:
+                title: str = "Model-state memory per rank", unit: float = MB,
+                line: tuple[float, str] | None = None) -> plt.Figure:
     """Stacked bars per component, measured (solid) beside predicted (hatched).
 
-    `measured[i]` / `predicted[i]`: {component: bytes} for bar group `labels[i]`.
+    `measured[i]` / `predicted[i]`: {component: bytes} for bar group `labels[i]`; `line`: (bytes, label) of a
+    theory level drawn dotted across the bars (e.g. 16 Psi, or ZeRO-1's floor 4 Psi).
     """
     fig, ax = plt.subplots(figsize=(min(14, max(6, 1.1 * len(labels) + 2)), 4.2))
     width = 0.38 if predicted else 0.6
-    components = [c for c in COMPONENT_COLORS if any(c in m for m in list(measured) + list(predicted or []))]
+    components = [c for c in _STACK_COLORS if any(c in m for m in list(measured) + list(predicted or []))]
     for j, series in enumerate([measured] + ([predicted] if predicted else [])):
         bottom = [0.0] * len(labels)
         xs = [i + (j - 0.5) * width if predicted else i for i in range(len(labels))]
         for comp in components:
             vals = [s.get(comp, 0) / unit for s in series]
-            ax.bar(xs, vals, width, bottom=bottom, color=COMPONENT_COLORS[comp],
+            ax.bar(xs, vals, width, bottom=bottom, color=_STACK_COLORS[comp],
                    hatch="//" if j else None, edgecolor="white" if not j else "black", linewidth=0.5,
                    label=comp.replace("_", " ") if (j == 0 or comp == "total") and any(vals) else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(labels)), labels, fontsize=8, rotation=30 if len(labels) > 5 else 0,
                   ha="right" if len(labels) > 5 else "center")
+    if line is not None:
+        ax.axhline(line[0] / unit, color="k", ls=":", lw=1, label=line[1])
     ax.set_ylim(bottom=0)
     ax.set_ylabel("MiB per rank" if unit == MB else f"x{unit:g} bytes")
     ax.set_title(title + ("  (solid: measured, hatched: theory)" if predicted else ""), fontsize=10)
@@ -63,8 +70,14 @@ def value_bars(values: Mapping[str, float], *, ylabel: str, title: str,
 
 
 def busbw_sweep(records: Iterable[Mapping[str, Any]], *, title: str = "Bus bandwidth vs message size",
-                metric: str = "busbw_GBps") -> plt.Figure:
-    """busbw (or algbw) vs bytes on log axes, one line per (op, impl)."""
+                metric: str = "busbw_GBps", fit: Mapping[str, float] | None = None) -> plt.Figure:
+    """busbw (or algbw) vs bytes on log axes, one line per (op, impl).
+
+    `fit`: an alpha-beta fit of the all-reduce times (world_size, alpha_s, beta_Bps, s_star_bytes, as the
+    `collectives_fit` record holds it): the latency-bound side S < S* is shaded, and on a busbw plot the
+    fitted model T = 2(N-1) alpha + 2(N-1)/N S / beta is drawn dotted beside the measured points.
+    """
+    records = list(records)
     lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in records:
         lines.setdefault((r["op"], r["impl"]), []).append((r["bytes"], r[metric]))
@@ -73,6 +86,8 @@ def busbw_sweep(records: Iterable[Mapping[str, Any]], *, title: str = "Bus bandw
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
                 linestyle="-" if impl == "library" else "--", label=f"{op} ({impl})")
+    if fit is not None:
+        _draw_alpha_beta_fit(ax, sorted({r["bytes"] for r in records}), fit, model=metric == "busbw_GBps")
     ax.set_xscale("log", base=2)
     if any(y > 0 for pts in lines.values() for _, y in pts):
         ax.set_yscale("log")
@@ -85,6 +100,18 @@ def busbw_sweep(records: Iterable[Mapping[str, Any]], *, title: str = "Bus bandw
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _draw_alpha_beta_fit(ax: plt.Axes, sizes: Sequence[float], fit: Mapping[str, float], *, model: bool) -> None:
+    """Shade S < S* and, where `model`, draw the fitted all-reduce busbw (theory.busbw of the model's time)."""
+    from distlab import theory
+    n = int(fit["world_size"])
+    ax.axvspan(sizes[0] / 2, fit["s_star_bytes"], color="grey", alpha=0.15, label="latency-bound (S < S*)")
+    if model:
+        a = max(2 * (n - 1), 1) * fit["alpha_s"]              # the fit's intercept: 2(N-1) steps of alpha
+        b = max(2 * (n - 1) / n, 1e-12) / fit["beta_Bps"]     # its slope: 2(N-1)/N bytes per byte, at beta
+        ax.plot(sizes, [theory.busbw("all_reduce", s, a + b * s, n) / 1e9 for s in sizes], "k:", lw=1,
+                label="alpha-beta fit (all_reduce)")
 
 
 def timeline(spans: Iterable[Any], *, title: str = "Per-rank timeline") -> plt.Figure:
@@ -157,6 +184,77 @@ def ratio_spread_bars(labels: Sequence[str], ratios: Sequence[float], spreads: S
     ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def loss_curves(reference: Sequence[float], curves: Mapping[str, Sequence[float]], *, title: str,
+                reference_label: str = "1 process (reference)", ylabel: str = "loss (full batch)") -> plt.Figure:
+    """Loss per step: the single-process reference as a wide grey line, each distributed run dashed on top,
+    so that curves which coincide look like one."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot(reference, "-", lw=3, color="#bbb", label=reference_label)
+    for (label, losses), style in zip(curves.items(), ["--", ":", "-.", (0, (5, 1))] * 4):
+        ax.plot(losses, linestyle=style, lw=2, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def grouped_bars(groups: Mapping[str, Mapping[str, float]], *, ylabel: str, title: str, unit: float = 1.0,
+                 colors: Sequence[str] = ("#c64", "#69b", "#ccc", "#4a7")) -> plt.Figure:
+    """Vertical bars: one group per key of `groups` (e.g. N=2, N=4), one bar per series inside it (e.g. the
+    step, the step under no_sync, a bare all-reduce); every group has the same series, in the same order."""
+    names = list(groups)
+    series = list(next(iter(groups.values()))) if groups else []
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(names) * max(len(series), 1) / 2 + 2), 3.2))
+    for i, (key, color) in enumerate(zip(series, list(colors) * 4)):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
+        ax.bar(xs, [groups[g][key] / unit for g in names], width, label=key, color=color)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def measured_curve(xs: Sequence[float], ys: Sequence[float], *, xlabel: str, ylabel: str, title: str,
+                   reference: tuple[float, str] | None = None, log_base: int = 2) -> plt.Figure:
+    """One measured quantity against a swept size on a log x axis (throughput vs batch, time vs bucket
+    count), from zero up; `reference`: (value, label) of a level drawn dotted, e.g. the one-bucket time."""
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot(xs, ys, "o-", color="#36a", label="measured")
+    if reference is not None:
+        ax.plot(xs, [reference[0]] * len(xs), "k:", label=reference[1])
+    ax.set_xscale("log", base=log_base)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def peak_and_kept(labels: Sequence[str], peaks: Sequence[float], kept: Sequence[float], *, title: str,
+                  line: tuple[float, str] | None = None, unit: float = MB) -> plt.Figure:
+    """Horizontal bars per run: what backward allocated at its peak (grey) with what stays after it drawn
+    over it (red); `line`: (bytes, label) of a theory level, e.g. one full gradient."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(labels, [p / unit for p in peaks], color="#bbb", label="peak during backward (measured)")
+    ax.barh(labels, [k / unit for k in kept], color="#c64", label="gradient bytes kept (measured)")
+    if line is not None:
+        ax.axvline(line[0] / unit, color="k", ls="--", label=line[1])
+    ax.set_xlabel("MiB (rank 0)" if unit == MB else f"x{unit:g} bytes (rank 0)")
+    ax.set_xlim(left=0)
+    ax.invert_yaxis()
+    ax.legend(fontsize=7)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig

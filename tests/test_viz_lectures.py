@@ -1,0 +1,77 @@
+"""The figures the lectures draw through distlab.viz (issue 35: lecture cells of at most 20 lines): each
+function is fed small records and its artists are read back, value by value."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from distlab import theory  # noqa: E402
+from distlab.viz import plots  # noqa: E402
+
+
+def _bars(ax):
+    return [p for p in ax.patches if isinstance(p, matplotlib.patches.Rectangle) and p.get_width() > 0]
+
+
+def test_busbw_sweep_shades_the_latency_bound_side_and_draws_the_fitted_model():
+    n, alpha, beta = 4, 1e-3, 5e8
+    sizes = [2**10, 2**14, 2**18]
+    records = [{"op": "all_reduce", "impl": "library", "bytes": s, "busbw_GBps": 0.1, "algbw_GBps": 0.05}
+               for s in sizes]
+    fit = {"world_size": n, "alpha_s": alpha, "beta_Bps": beta, "s_star_bytes": n * alpha * beta}
+    fig = plots.busbw_sweep(records, fit=fit)
+    ax = fig.axes[0]
+    model = [line for line in ax.lines if line.get_label() == "alpha-beta fit (all_reduce)"]
+    assert len(model) == 1
+    want = [theory.busbw("all_reduce", s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / beta, n) / 1e9 for s in sizes]
+    assert list(model[0].get_ydata()) == pytest.approx(want)
+    span = [p for p in ax.patches if p.get_label() == "latency-bound (S < S*)"]
+    assert len(span) == 1
+    assert span[0].get_x() + span[0].get_width() == pytest.approx(fit["s_star_bytes"])   # up to S* = N alpha beta
+    algbw = plots.busbw_sweep(records, metric="algbw_GBps", fit=fit).axes[0]   # shaded, but no busbw model
+    assert not [line for line in algbw.lines if "fit" in line.get_label()]
+    plt.close("all")
+
+
+def test_memory_bars_stacks_the_optimizer_states_by_key_under_a_theory_line():
+    psi = 1000
+    measured = {"params": 2 * psi, "grads": 2 * psi, "master": 4 * psi, "exp_avg": 4 * psi, "exp_avg_sq": 4 * psi}
+    fig = plots.memory_bars([measured], ["mixed"], [measured], unit=1, line=(16 * psi, "theory: 16 Psi"))
+    ax = fig.axes[0]
+    solid = [p for p in _bars(ax) if not p.get_hatch()]
+    assert [p.get_height() for p in solid] == [2 * psi, 2 * psi, 4 * psi, 4 * psi, 4 * psi]
+    assert max(p.get_y() + p.get_height() for p in solid) == 16 * psi
+    (line,) = [ln for ln in ax.lines if ln.get_label() == "theory: 16 Psi"]
+    assert set(line.get_ydata()) == {16 * psi}
+    plt.close("all")
+
+
+def test_loss_curves_draws_the_reference_and_every_run():
+    fig = plots.loss_curves([3.0, 2.0, 1.0], {"N=2": [3.0, 2.0, 1.1], "N=4": [3.1, 2.0, 1.0]}, title="t")
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].lines}
+    assert lines == {"1 process (reference)": [3.0, 2.0, 1.0], "N=2": [3.0, 2.0, 1.1], "N=4": [3.1, 2.0, 1.0]}
+    plt.close("all")
+
+
+def test_grouped_bars_puts_each_series_in_each_group():
+    groups = {"N=2": {"step": 4.0, "no_sync": 3.0}, "N=4": {"step": 6.0, "no_sync": 5.0}}
+    ax = plots.grouped_bars(groups, ylabel="ms", title="t").axes[0]
+    heights = sorted((round(p.get_x() + p.get_width() / 2, 3), p.get_height()) for p in _bars(ax))
+    assert [h for _, h in heights] == [4.0, 3.0, 6.0, 5.0]       # group by group, series in order
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["N=2", "N=4"]
+    plt.close("all")
+
+
+def test_measured_curve_and_peak_and_kept_draw_the_values_given():
+    ax = plots.measured_curve([1, 2, 4], [10.0, 20.0, 30.0], xlabel="b", ylabel="s/s", title="t",
+                              reference=(10.0, "one bucket")).axes[0]
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in ax.lines}
+    assert lines == {"measured": [10.0, 20.0, 30.0], "one bucket": [10.0, 10.0, 10.0]}
+    ax = plots.peak_and_kept(["a", "b"], [8.0, 4.0], [6.0, 1.0], title="t", unit=1, line=(5.0, "2 Psi")).axes[0]
+    assert [p.get_width() for p in _bars(ax)] == [8.0, 4.0, 6.0, 1.0]
+    assert set(ax.lines[0].get_xdata()) == {5.0}
+    plt.close("all")
