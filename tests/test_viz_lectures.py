@@ -75,3 +75,17 @@ def test_measured_curve_and_peak_and_kept_draw_the_values_given():
     assert [p.get_width() for p in _bars(ax)] == [8.0, 4.0, 6.0, 1.0]
     assert set(ax.lines[0].get_xdata()) == {5.0}
     plt.close("all")
+
+
+def test_traffic_bars_stacks_each_run_by_collective_with_its_theory_tick():
+    runs = [{"reduce_scatter": 3.0, "all_gather": 3.0}, {"all_reduce": 6.0, "broadcast": 4.0}]
+    ax = plots.traffic_bars(["mine", "torch"], runs, [6.0, 6.0], title="t", unit=1).axes[0]
+    ends = {}
+    for p in _bars(ax):
+        y = round(p.get_y() + p.get_height() / 2)
+        ends[y] = max(ends.get(y, 0), p.get_x() + p.get_width())
+    assert ends == {0: 6.0, 1: 10.0}
+    assert [list(ln.get_xdata()) for ln in ax.lines] == [[6.0, 6.0], [6.0, 6.0]]
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == \
+        ["all-gather", "all-reduce", "broadcast", "reduce-scatter", "theory"]
+    plt.close("all")

@@ -258,3 +258,31 @@ def peak_and_kept(labels: Sequence[str], peaks: Sequence[float], kept: Sequence[
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+COLLECTIVE_COLORS = {"all_reduce": "#8ab", "reduce_scatter": "#2a7", "all_gather": "#6c9", "broadcast": "#c64"}
+
+
+def traffic_bars(labels: Sequence[str], by_kind: Sequence[Mapping[str, float]], theory: Sequence[float], *,
+                 title: str, theory_label: str = "theory", unit: float = MB) -> plt.Figure:
+    """Horizontal bars, one per run, stacked by collective from the comm meter's bytes per kind
+    (`CommStats.bytes`), with a dashed tick at each run's theory."""
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 1.2))
+    kinds = [k for k in COLLECTIVE_COLORS if any(k in b for b in by_kind)]
+    kinds += sorted({k for b in by_kind for k in b} - set(kinds))
+    for i, bytes_ in enumerate(by_kind):
+        left = 0.0
+        for kind in kinds:
+            v = bytes_.get(kind, 0) / unit
+            ax.barh(i, v, left=left, color=COLLECTIVE_COLORS.get(kind, "#8C8C8C"), label=kind.replace("_", "-"))
+            left += v
+        ax.plot([theory[i] / unit] * 2, [i - 0.4, i + 0.4], "k--", label=theory_label)
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles))                       # one legend entry per kind, not per bar
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB sent per rank per step (rank 0)" if unit == MB else f"x{unit:g} bytes sent per rank per step")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
