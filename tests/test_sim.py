@@ -114,7 +114,9 @@ def test_the_planner_predicts_the_simulated_model_states_of_the_recipes_within_5
     # 7B ZeRO-2 on 8, 13B ZeRO-3 on 16, 70B ZeRO-3 + TP 8 on 64, 175B dp 8 x tp 8 x pp 16 + ZeRO-3 on 1024.
     # Short sequences: model states do not depend on them (beyond the position embedding, counted by both);
     # the tp/pp layouts skip forward and backward (zero gradients of each shard's shape: the same states).
-    checks = sim.check_recipes(classes(), seq_len=256, backward=False)
+    # Each recipe is simulated from a slice of 1 and 2 blocks per pipeline stage, extended to its depth (every
+    # block adds the same states): the next test shows a slice gives the whole depth's bytes.
+    checks = sim.check_recipes(classes(), seq_len=256, backward=False, blocks=1)
     assert [(c.name, c.gpus) for c in checks] == [("7B", 8), ("13B", 16), ("70B", 64), ("175B", 1024)]
     for c in checks:
         assert c.ratio == pytest.approx(1, abs=0.05), f"{c.name} {c.layout}: simulated / predicted = {c.ratio:.3f}"
@@ -124,3 +126,14 @@ def test_the_planner_predicts_the_simulated_model_states_of_the_recipes_within_5
     with pytest.raises(ValueError, match="ZeRO-3 over dp"):
         from distlab.course.planner import Layout, ModelSpec
         sim.check_plan(ModelSpec.from_size(1e9), Layout(dp=2, tp=2, zero=1), seq_len=64)
+
+
+def test_a_slice_of_blocks_gives_the_model_states_of_the_whole_depth():
+    from distlab.course.planner import Layout, ModelSpec
+    spec = ModelSpec(n_layers=6, d_model=64, n_heads=4, vocab_size=512, max_seq=64)
+    # the lab's ZeRO-2 (flat buckets) on 8; FSDP2 over dp 2 x TP 2, pipeline stage 0 of 2 (3 blocks from 1 and 2)
+    for layout in (Layout(dp=8, zero=2), Layout(dp=2, tp=2, pp=2, zero=3, m=2)):
+        whole = sim.check_plan(spec, layout, seq_len=64, classes=classes(), backward=False)
+        sliced = sim.check_plan(spec, layout, seq_len=64, classes=classes(), backward=False, blocks=1)
+        assert sliced.simulated_bytes == whole.simulated_bytes, layout
+        assert whole.ratio == pytest.approx(1, abs=0.05)

@@ -107,7 +107,7 @@ class PlanCheck:
 
 
 def check_plan(spec: Any, layout: Any, *, seq_len: int = 4096, classes: dict[str, Any] | None = None,
-               name: str = "", backward: bool = True) -> PlanCheck:
+               name: str = "", backward: bool = True, blocks: int | None = None) -> PlanCheck:
     """Simulate `layout` (a `distlab.course.planner.Layout`) for `spec` as rank 0 of its GPUs and compare the
     model states one device holds with `planner.plan`'s prediction for pipeline stage 0.
 
@@ -115,8 +115,14 @@ def check_plan(spec: Any, layout: Any, *, seq_len: int = 4096, classes: dict[str
     them) on chapter 7's transformer; embeddings and head are replicated over tp, so the prediction is
     made with `vocab_parallel=False`. ZeRO-0/1/2 (dp only): the course GPT with DDP or the labs' classes
     (pass `classes`). `backward=False` skips the ZeRO-3 runs' forward and backward (zero gradients of
-    each shard's shape instead: the same model states; see `_tp_pp_zero3_states`). Activations are not compared: the planner's Korthikanti model and the
-    course models' saved tensors differ by design.
+    each shard's shape instead: the same model states; see `_tp_pp_zero3_states`). Activations are not
+    compared: the planner's Korthikanti model and the course models' saved tensors differ by design.
+
+    `blocks=k` simulates a slice instead of the whole depth: the model with k, then k + 1 blocks on
+    pipeline stage 0 (k pp and (k + 1) pp blocks in all), and extends the two linearly to the stage's
+    B blocks, S(B) = S(k) + (B - k) (S(k + 1) - S(k)). Every block has the same shapes, so it adds the
+    same states (to the padding of a flat ZeRO bucket: a few bytes); the embeddings, the head and the
+    sharding are those of the full model.
     """
     from distlab.course.planner import Workload, plan
     L = layout
@@ -125,21 +131,33 @@ def check_plan(spec: Any, layout: Any, *, seq_len: int = 4096, classes: dict[str
                      vocab_parallel=False).model_state_bytes[0]
     if L.cp != 1:
         raise ValueError("context parallelism is not simulated: use cp=1")
+    if L.zero != 3 and (L.tp != 1 or L.pp != 1):
+        raise ValueError(f"{L}: with tp or pp the simulation runs ZeRO-3 over dp (FSDP2) only; use zero=3")
+    from distlab.course.pipeline.stages import stage_layers
+    a, b = stage_layers(spec.n_layers, L.pp)[0]
+    if blocks is None or b - a <= blocks + 1:
+        simulated = _simulated_states(spec, L, seq_len, classes, backward)
+    else:
+        from dataclasses import replace as with_
+        few, more = (_simulated_states(with_(spec, n_layers=k * L.pp), L, seq_len, classes, backward)
+                     for k in (blocks, blocks + 1))
+        simulated = few + (b - a - blocks) * (more - few)
+    return PlanCheck(name or spec.name, str(L), L.gpus, spec.num_params, predicted, simulated,
+                     time.perf_counter() - start)
+
+
+def _simulated_states(spec: Any, L: Any, seq_len: int, classes: dict[str, Any] | None, backward: bool) -> int:
+    """The model states (bytes) rank 0 of layout `L` holds, simulated for `spec` (see `check_plan`)."""
     if L.zero == 3:
         with compute_like_a_gpu(), fake_world(L.gpus):
-            state = _tp_pp_zero3_states(spec, L, seq_len, backward)
-    elif L.tp == 1 and L.pp == 1:
-        strategy = {0: "ddp", 1: "zero1", 2: "zero2"}[L.zero]
-        config = GPTConfig(vocab_size=spec.vocab_size, seq_len=seq_len, d_model=spec.d_model,
-                           n_layers=spec.n_layers, n_heads=spec.n_heads)
-        # ZeRO-2 buckets of 500 MB (DeepSpeed's default reduce bucket is 5e8 elements): at this size the
-        # course's 25 MB would make hundreds of buckets, and the model states do not depend on it.
-        state = simulate(strategy, config=config, world_size=L.dp, classes=classes, steps=1,
-                         bucket_size_mb=500).model_state
-    else:
-        raise ValueError(f"{L}: with tp or pp the simulation runs ZeRO-3 over dp (FSDP2) only; use zero=3")
-    return PlanCheck(name or spec.name, str(L), L.gpus, spec.num_params, predicted, state.total,
-                     time.perf_counter() - start)
+            return _tp_pp_zero3_states(spec, L, seq_len, backward).total
+    strategy = {0: "ddp", 1: "zero1", 2: "zero2"}[L.zero]
+    config = GPTConfig(vocab_size=spec.vocab_size, seq_len=seq_len, d_model=spec.d_model,
+                       n_layers=spec.n_layers, n_heads=spec.n_heads)
+    # ZeRO-2 buckets of 500 MB (DeepSpeed's default reduce bucket is 5e8 elements): at this size the
+    # course's 25 MB would make hundreds of buckets, and the model states do not depend on it.
+    return simulate(strategy, config=config, world_size=L.dp, classes=classes, steps=1,
+                    bucket_size_mb=500).model_state.total
 
 
 def recipe_layouts() -> list[tuple[float, Any]]:
@@ -152,13 +170,14 @@ def recipe_layouts() -> list[tuple[float, Any]]:
 
 
 def check_recipes(classes: dict[str, Any] | None = None, *, seq_len: int = 4096,
-                  backward: bool = True) -> list[PlanCheck]:
-    """`check_plan` for every recipe of `recipe_layouts` (the 7B one runs lab 4's ZeRO2: pass `classes`)."""
+                  backward: bool = True, blocks: int | None = None) -> list[PlanCheck]:
+    """`check_plan` for every recipe of `recipe_layouts` (the 7B one runs lab 4's ZeRO2: pass `classes`);
+    `blocks=1`: each from a slice of 1 and 2 blocks per stage (see `check_plan`)."""
     from dataclasses import replace as with_
     from distlab.course.planner import ModelSpec
     out = []
     for size, layout in recipe_layouts():
         spec = with_(ModelSpec.from_size(size), max_seq=seq_len)    # learned positions, as the course models
         out.append(check_plan(spec, layout, seq_len=seq_len, classes=classes, name=f"{size / 1e9:g}B",
-                              backward=backward))
+                              backward=backward, blocks=blocks))
     return out
