@@ -8,6 +8,9 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
   at a time, reports written, as an instructor would;
 - the attacks (one per route) and the broken files on its 2-rank case, as a second class run;
 - issue 28's attacks (kernel limits, DoS results) and the honest solution on the same case, a third class run;
+  in these two, what stops, kills or floods a runner, or probes its sandbox, is graded in a runner of its own;
+  the attacks judged case by case share one runner and sandbox (`grade_together`; a runner start is ~2 CPU s
+  of imports), in the kernel run with the honest solution graded last;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
   covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
   whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8), as one
@@ -44,6 +47,7 @@ import psutil
 import pytest
 
 from distlab.checks import LABS
+from distlab.checks.task import LIVELOCK_FLOOR_S
 from distlab.grading import sandbox, seccomp
 from distlab.grading.cli import sandbox_for
 from distlab.grading.classrun import grade, grade_together
@@ -61,6 +65,9 @@ pytestmark = pytest.mark.timeout(1800)
 # The attacks write into every file descriptor they can reach and kill processes: only ever sandboxed.
 BWRAP = sandbox.bwrap_path() is not None and (sandbox.works(True) or sandbox.works(False))
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bubblewrap is not usable here (the attacks run only sandboxed)")
+
+
+BUSY_CAP_S = 2.0      # CPU s per rank: the kernel class run's busy loop is stopped here (see kernel_run)
 
 
 def _probe(r) -> dict:
@@ -123,24 +130,44 @@ def _grade_everything(tmp_path_factory, labs):
                      jobs=2, opts=opts)
 
     def attack_run():
-        mk.write({**mk.attacks(os.getpid(), listener.getsockname()[1]), **mk.malformed()}, folder / "attacks")
-        return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "attacks"],
-                     out=folder / "attack_grades", jobs=2, opts=opts)
+        # what kills a runner (route 4) or floods its log (route 7), with the broken files, as a class run,
+        # reports written; the other routes, judged case by case, in one runner and sandbox (see kernel_run)
+        the_lab = lab("01_collectives", ["reduce_scatter, 2 ranks"])
+        attacks = mk.attacks(os.getpid(), listener.getsockname()[1])
+        mk.write({**{name: attacks.pop(name) for name in mk.ATTACKS_ALONE}, **mk.malformed()}, folder / "attacks")
+        paths = mk.write(attacks, folder / "attacks_shared")
+        together = grade_together([(the_lab, paths[name]) for name in attacks], opts=opts)
+        return grade(the_lab, [folder / "attacks"], out=folder / "attack_grades", jobs=2, opts=opts) + together
 
     def kernel_run():
-        # issue 28: one class run holds every kernel and DoS attack, the honest solution beside them; its result
-        # cap is set low, so a 6 MiB-per-rank answer overflows it (honest results are kilobytes)
-        mk.write(mk.kernel_attacks(), folder / "kernel")
-        return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "kernel"],
-                     out=folder / "kernel_grades", jobs=2, opts=Options(sandbox=box, max_result_bytes=8 << 20))
+        # issue 28: every kernel and DoS attack, the honest solution beside them; the result cap is set low, so
+        # a 6 MiB-per-rank answer overflows it (honest results are kilobytes). What stops or probes a runner
+        # (the overflow, the sandbox's walls) is a class run of its own, reports written; every attack judged
+        # case by case shares one runner and sandbox (a runner start is ~2 CPU s of imports), the honest
+        # solution graded last in it: nothing an attack did there outlives its own case.
+        kernel_opts = Options(sandbox=box, max_result_bytes=8 << 20)
+        the_lab = lab("01_collectives", ["reduce_scatter, 2 ranks"])
+        attacks = mk.kernel_attacks()
+        alone = {name: attacks.pop(name) for name in mk.KERNEL_ALONE}
+        attacks["honest"] = attacks.pop("honest")
+        mk.write(alone, folder / "kernel")
+        paths = mk.write(attacks, folder / "kernel_shared")
+        # the busy loop is stopped at its case's livelock bound, here lowered from the notebook's (at least 6 CPU s
+        # per rank, recorded by `prepare`: test_a_busy_loop_...) to BUSY_CAP_S: the same path, 8 CPU s less
+        caps["prepared"] = dict(the_lab.work_caps)
+        busy = dataclasses.replace(the_lab, work_caps={key: BUSY_CAP_S for key in the_lab.work_caps})
+        together = grade_together([(busy if name == "busy_loop" else the_lab, paths[name]) for name in attacks],
+                                  opts=kernel_opts)
+        return grade(the_lab, [folder / "kernel"], out=folder / "kernel_grades", jobs=2, opts=kernel_opts) + together
 
     def shortcut_run():
         # lab 02's NaiveDDP as PyTorch's DDP: named in the source (seen here) and built from strings (seen on
-        # the rank); one case each
-        mk.write(mk.shortcut_attacks(), folder / "shortcut")
-        return grade(lab("02_ddp", ["NaiveDDP, 2 ranks"]), [folder / "shortcut"], jobs=2, opts=opts)
+        # the rank); one case each, the three in one runner
+        paths = mk.write(mk.shortcut_attacks(), folder / "shortcut")
+        the_lab = lab("02_ddp", ["NaiveDDP, 2 ranks"])
+        return grade_together([(the_lab, path) for path in paths.values()], opts=opts)
 
-    shipped = {}
+    shipped, caps = {}, {}
 
     def prepared(name):
         # every task's first case; each lab's references computed once, shared by its two hand-ins
@@ -197,7 +224,7 @@ def _grade_everything(tmp_path_factory, labs):
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
         kernel=_by_stem(done.get("kernel", [])), shortcut=_by_stem(done.get("shortcut", [])), folder=folder,
         labs=done["solutions"], predicted={k: r for k, r in done["predicted"].items() if k in mk.PREDICTED},
-        package_answers=done["predicted"]["package_answers"],
+        kernel_caps=caps.get("prepared", {}), package_answers=done["predicted"]["package_answers"],
         lines={name: [line for g in shipped[name].graded for line in g.lines] for name in labs},
         leftover=leftover)
 
@@ -351,7 +378,7 @@ def test_broken_files_get_one_line_and_the_class_run_writes_every_report(graded)
     rows = list(csv.DictReader(open(out / "lines.csv")))
     totals = {Path(r["submission"]).stem: float(r["points"]) for r in rows if r["check"] == "TOTAL"}
     assert totals == {name: got[name].score for name in totals}
-    assert set(totals) == set(mk.attacks(0, 0)) | set(mk.malformed())
+    assert set(totals) == set(mk.ATTACKS_ALONE) | set(mk.malformed())
     assert all(r["reason"] and "\n" not in r["reason"] for r in rows if r["status"] == "fail")
     suites = ET.parse(out / "junit.xml").getroot().findall("testsuite")
     assert len(suites) == len(totals)
@@ -413,9 +440,9 @@ def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_wr
     big = got["dos_oversized"]
     assert big.score == 0 and big.note == "its ranks sent more than 8 MiB of results: stopped at once, not graded"
     assert max(r.seconds for r in got.values()) < 120          # nothing waited for a cap
-    rows = list(csv.DictReader(open(out / "lines.csv")))
-    assert {Path(r["submission"]).stem for r in rows if r["check"] == "TOTAL"} == set(got)
-    assert len(ET.parse(out / "junit.xml").getroot().findall("testsuite")) == len(got)
+    rows = list(csv.DictReader(open(out / "lines.csv")))     # the class run of those graded alone
+    assert {Path(r["submission"]).stem for r in rows if r["check"] == "TOTAL"} == set(mk.KERNEL_ALONE)
+    assert len(ET.parse(out / "junit.xml").getroot().findall("testsuite")) == len(mk.KERNEL_ALONE)
 
 
 @needs_bwrap
@@ -423,8 +450,11 @@ def test_a_busy_loop_is_stopped_with_a_verdict_naming_its_line_within_30_s(grade
     # issue 34: a ring whose step is never increased keeps both ranks busy, sending and receiving forever. The
     # grader stops the case at the notebook's livelock bound (10x the reference's time, at least 6 CPU s per
     # rank), not at the 180 s cap, and names the line each rank was at.
+    # prepare recorded the notebook's bound for the case; the fixture graded the loop under BUSY_CAP_S
+    assert list(graded.kernel_caps.values()) == [LIVELOCK_FLOOR_S], graded.kernel_caps   # a ms-long reference
     r = graded.kernel["busy_loop"]
     assert r.score == 0 and not r.flags and not r.note, (r.verdicts, r.flags, r.note)
+    assert f"after {BUSY_CAP_S:g} s of CPU time" in r.verdicts[0].reason, r.verdicts[0].reason
     source = mk.kernel_attacks()["busy_loop"]
     cell = next(c for c in source.cells if mk.BUSY_LOOP[1] in c.source)
     lines = cell.source.splitlines()

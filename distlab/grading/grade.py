@@ -272,8 +272,9 @@ def run_answers(lab: ShippedLab, answers: list[tuple[str, str]], name: str, opts
 def run_together(parts: list[tuple[ShippedLab, list[tuple[str, str]]]], name: str, opts: Options
                  ) -> tuple[list[tuple[list[Verdict], list[str], str]], float]:
     """One hand-in's answers to several labs, run in turn by one runner in one sandbox (one interpreter and
-    fork server for all of them: a learner checking every lab, or a whole course's solutions), each lab judged
-    on its own records: ([(verdicts, audit flags, runner failure)] in the order of `parts`, CPU s of all)."""
+    fork server for all of them: a learner checking every lab, or a whole course's solutions), each part judged
+    on its own records (a lab may come more than once): ([(verdicts, audit flags, runner failure)] in the order
+    of `parts`, CPU s of all)."""
     job = {"stall_s": opts.stall_s, "cap_s": opts.case_cap_s, "backend": opts.backend}
     if len(parts) == 1:
         job.update(_part(*parts[0]))
@@ -303,9 +304,9 @@ def run_together(parts: list[tuple[ShippedLab, list[tuple[str, str]]]], name: st
         if not opts.keep:
             log.unlink(missing_ok=True)
     out = []
-    for lab, answers in parts:
-        mine = dataclasses.replace(outcome, records=[r for r in outcome.records
-                                                     if r.get("kind") != "case" or r.get("lab") == lab.name])
+    for k, (lab, answers) in enumerate(parts):
+        mine = dataclasses.replace(outcome, records=[r for r in outcome.records if r.get("kind") != "case" or (
+            r.get("part") == k and r.get("lab") == lab.name)])
         verdicts, flags = judge(lab, mine, shortcuts.named(lab.name, [source for _, source in answers]))
         out.append((verdicts, flags, mine.failure))
     return out, outcome.cpu_s

@@ -13,7 +13,8 @@ makes itself non-dumpable first, so processes of the same user (the ranks)
 cannot read its memory or file descriptors through /proc or ptrace.
 
 A job may be a bundle: one hand-in's answers to several labs (`parts`), run one lab after the other in
-the same sandbox (`distlab.grading.grade.run_together`); each case record names its lab.
+the same sandbox (`distlab.grading.grade.run_together`); each case record names its lab and its part
+(two parts may be the same lab: several hand-ins of one author, or a course's own test hand-ins).
 For each task the lab grades, for each of its cases graded, it launches
 `rankside.run_case` on the case's ranks with `distlab.launch` (one
 forkserver for the whole submission; hangs end by the launcher's progress
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     writer = Writer(args.result_fd, secret)
     del secret
     work = tempfile.mkdtemp(prefix="distlab-runner-")
-    for part, module in zip(parts, modules):
+    for k, (part, module) in enumerate(zip(parts, modules)):
         for name, indices in part["tasks"]:
             task = module.TASKS[name]
             skip = ""
@@ -276,14 +277,14 @@ def main(argv: list[str] | None = None) -> int:
                     rec = {"kind": "case", "task": name, "case": index, "world_size": case.world_size,
                            "status": "error", "reason": skip, "streams": [], "flooded": []}
                 else:
-                    folder = os.path.join(work, f"{part['lab']}-{name}-{index}")
+                    folder = os.path.join(work, f"{k}-{part['lab']}-{name}-{index}")
                     os.mkdir(folder)
                     started = time.monotonic()
                     rec = run_case(part, task, index, case, folder)
                     print(f"distlab grade: {name}, {case.world_size} ranks: {rec['status']} in "
                           f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
                     skip = later_cases_reason(case.world_size, rec.get("reason", ""), rec.get("stuck", "")) or ""
-                rec["lab"] = part["lab"]
+                rec["lab"], rec["part"] = part["lab"], k
                 writer.send(json.dumps(rec).encode())
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
     shutil.rmtree(work, ignore_errors=True)
