@@ -197,6 +197,14 @@ def _grade_everything(tmp_path_factory, labs):
             for name in names]
         attacked.append(lab("08_pipeline", ["interleaved, p=2", "zero_bubble, p=2"]))
         names.append("package_answers")
+        # labs 09 and 10's answers in the package (the loader's rows; the router and its loss), on their tasks'
+        # first cases, the solution's references shared when that lab's solution is graded here
+        for name, (_, _, tasks) in mk.PACKAGE_ROUTES.items():
+            shared = prepared(name) if name in labs else lab(name, list(tasks), first_case=True)
+            attacked.append(dataclasses.replace(shared, graded=[g for g in shared.graded if g.task.name in tasks]))
+            paths[f"package_{name}"] = mk.write({f"package_{name}": mk.package_routes(name)}, folder / "routes")[
+                f"package_{name}"]
+            names.append(f"package_{name}")
         got = grade_together([(lab, paths[name]) for lab, name in zip(attacked, names)], opts=opts)
         return {name: r for name, r in zip(names, got)}
 
@@ -225,6 +233,7 @@ def _grade_everything(tmp_path_factory, labs):
         kernel=_by_stem(done.get("kernel", [])), shortcut=_by_stem(done.get("shortcut", [])), folder=folder,
         labs=done["solutions"], predicted={k: r for k, r in done["predicted"].items() if k in mk.PREDICTED},
         kernel_caps=caps.get("prepared", {}), package_answers=done["predicted"]["package_answers"],
+        package_routes={name: done["predicted"][f"package_{name}"] for name in mk.PACKAGE_ROUTES},
         lines={name: [line for g in shipped[name].graded for line in g.lines] for name in labs},
         leftover=leftover)
 
@@ -499,6 +508,22 @@ def test_lab8s_answers_in_the_package_are_out_of_a_submission_s_reach(graded):
     package = graded.package_answers
     assert package.score == 0 and package.max_score == 7, [(v.check, v.reason) for v in package.verdicts]
     assert all("not implemented yet" in v.reason for v in package.verdicts), [v.reason for v in package.verdicts]
+
+
+@needs_bwrap
+@pytest.mark.parametrize("lab_name", sorted(mk.PACKAGE_ROUTES))
+def test_labs_9_and_10_answers_in_the_package_score_zero(graded, lab_name):
+    # issue 38: lab 09's rank_windows is the loader's rank_rows (taken through the package's re-export), lab 10's
+    # route and aux_loss the layer's route (its module reloaded from its file) and load_balancing_loss (through
+    # the lab's own check module): hidden in the sandbox, each line of those tasks scores zero. The honest
+    # solutions keep full marks under the same hiding (test_solutions_get_full_marks: every lab's solution in
+    # one sandbox hiding every lab's answers)
+    r = graded.package_routes[lab_name]
+    tasks = mk.PACKAGE_ROUTES[lab_name][2]
+    assert {v.task for v in r.verdicts} == set(tasks) and len(r.verdicts) == 2 * len(tasks) and r.max_score > 0, \
+        r.verdicts
+    assert r.score == 0 and all("not implemented yet" in v.reason or "hidden while grading" in v.reason
+                                for v in r.verdicts), [(v.check, v.reason) for v in r.verdicts]
 
 
 # The attacked task of each lab's PREDICTED answer (make_class): its lines' prefix, and what each of them says

@@ -50,11 +50,18 @@ SHORTCUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
 # as much a shortcut as inside it.
 ONLY_OPS: dict[str, frozenset[str]] = {"01_collectives": frozenset({"send", "recv"})}
 # The package's own answers to a lab: (module, its functions that are the answers). Lab 08's schedule tables are
-# `simulate`'s order functions (the grader judges with `simulate` itself, outside the ranks). Inside the sandbox the
-# module's file is replaced by a copy whose answers raise (`sandbox.hidden`, enforced); on the rank they are also
-# replaced before learner code (`hide`; without a sandbox only that, and the file stays readable).
+# `simulate`'s order functions (the grader judges with `simulate` itself, outside the ranks); lab 09's
+# `rank_windows` is the loader's `rank_rows` (or `global_rows`, sliced); lab 10's `route` and `aux_loss` are the
+# layer's `route` and `load_balancing_loss` (the dense `MoE`'s forward calls both, so it answers nothing either;
+# no graded rank runs it: the check hands it to the learner's expert-parallel layer for its weights). Inside the
+# sandbox each module's file is replaced by a copy whose answers raise (`sandbox.hidden`, enforced: every import
+# of them, re-exports such as `distlab.course.training.rank_rows` and the checks' own included); on the rank they
+# are also replaced before learner code, wherever a distlab module holds them (`hide`; without a sandbox only
+# that, and the file stays readable).
 HIDDEN: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "08_pipeline": (("distlab.course.pipeline.simulate", ("interleaved_order", "zero_bubble_order")),)}
+    "08_pipeline": (("distlab.course.pipeline.simulate", ("interleaved_order", "zero_bubble_order")),),
+    "09_training": (("distlab.course.training.loader", ("rank_rows", "global_rows")),),
+    "10_moe": (("distlab.course.moe.layer", ("route", "load_balancing_loss")),)}
 
 
 def _hidden_answer(*args: object, **kwargs: object) -> None:
@@ -62,11 +69,18 @@ def _hidden_answer(*args: object, **kwargs: object) -> None:
 
 
 def hide(lab: str) -> None:
-    """Replace the package's answers to `lab` (`HIDDEN`) in this process, before learner code."""
+    """Replace the package's answers to `lab` (`HIDDEN`) in this process, before learner code: in their module
+    and in every distlab module that imported them (a package's re-export, a check module's own import)."""
     for module_name, names in HIDDEN.get(lab, ()):
         module = importlib.import_module(module_name)
+        originals = [getattr(module, name) for name in names if hasattr(module, name)]    # alive: ids stay theirs
+        answers = {id(fn) for fn in originals}
         for name in names:
             setattr(module, name, _hidden_answer)
+        for other in [m for key, m in list(sys.modules.items()) if key.startswith("distlab")]:
+            for key, value in list(getattr(other, "__dict__", {}).items()):
+                if id(value) in answers:
+                    setattr(other, key, _hidden_answer)
 
 
 def other_ops(lab: str, op_calls: dict[str, int]) -> list[str]:
