@@ -89,3 +89,36 @@ def test_traffic_bars_stacks_each_run_by_collective_with_its_theory_tick():
     assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == \
         ["all-gather", "all-reduce", "broadcast", "reduce-scatter", "theory"]
     plt.close("all")
+
+
+def test_stage_panels_draws_states_peaks_and_throughput_per_strategy():
+    parts = {"params": 4.0, "grads": 4.0, "optimizer_state": 8.0}
+    fig = plots.stage_panels(["DDP", "ZeRO-3"], [parts, {k: v / 2 for k, v in parts.items()}],
+                             [parts, {k: v / 2 for k, v in parts.items()}], [30.0, 20.0], [100.0, 90.0],
+                             title="t", unit=1)
+    states, peaks, thr = fig.axes
+    solid = [p for p in _bars(states) if not p.get_hatch()]
+    assert max(p.get_y() + p.get_height() for p in solid) == 16.0
+    assert sorted(p.get_y() + p.get_height() for p in solid)[:3] == [2.0, 4.0, 4.0]   # ZeRO-3's stack: 2, 4, 8
+    assert [p.get_height() for p in _bars(peaks)] == [30.0, 20.0]
+    assert [p.get_height() for p in _bars(thr)] == [100.0, 90.0]
+    plt.close("all")
+
+
+def test_activation_growth_plots_peak_minus_held_and_the_held_level():
+    ax = plots.activation_growth([1, 2, 4], [3.0, 3.0, 3.0], [5.0, 7.0, 11.0], held_theory=3.0,
+                                 held_theory_label="12 Psi/N", title="t", unit=1).axes[0]
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in ax.lines}
+    assert lines["peak during a step − bytes held before it (measured)"] == [2.0, 4.0, 8.0]
+    assert lines["held before a step, after zero_grad(set_to_none=True) (measured)"] == [3.0, 3.0, 3.0]
+    assert set(lines["12 Psi/N"]) == {3.0}
+    plt.close("all")
+
+
+def test_measured_and_theory_draws_a_line_and_dots_per_series():
+    ax = plots.measured_and_theory({"none": ([32, 64], [2.0, 6.0], [2.0, 6.5]), "full": ([32, 64], [1.0, 2.0], [1.0, 2.0])},
+                                   xlabel="S", ylabel="B", title="t").axes[0]
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in ax.lines}
+    assert lines == {"theory, none": [2.0, 6.5], "measured, none": [2.0, 6.0],
+                     "theory, full": [1.0, 2.0], "measured, full": [1.0, 2.0]}
+    plt.close("all")

@@ -9,6 +9,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 
+from distlab.viz.curves import activation_growth, loss_curves, measured_and_theory, measured_curve  # noqa: F401 - lectures import them here
+
 COMPONENT_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_state": "#55A868", "other": "#8C8C8C",
                     "total": "#C7C7C7"}  # "total": a prediction given without a split
 # memory_bars also takes the optimizer states split by key (fp32 master copy, Adam's m and v), stacked in this order
@@ -189,21 +191,6 @@ def ratio_spread_bars(labels: Sequence[str], ratios: Sequence[float], spreads: S
     return fig
 
 
-def loss_curves(reference: Sequence[float], curves: Mapping[str, Sequence[float]], *, title: str,
-                reference_label: str = "1 process (reference)", ylabel: str = "loss (full batch)") -> plt.Figure:
-    """Loss per step: the single-process reference as a wide grey line, each distributed run dashed on top,
-    so that curves which coincide look like one."""
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot(reference, "-", lw=3, color="#bbb", label=reference_label)
-    for (label, losses), style in zip(curves.items(), ["--", ":", "-.", (0, (5, 1))] * 4):
-        ax.plot(losses, linestyle=style, lw=2, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
 
 def grouped_bars(groups: Mapping[str, Mapping[str, float]], *, ylabel: str, title: str, unit: float = 1.0,
                  colors: Sequence[str] = ("#c64", "#69b", "#ccc", "#4a7")) -> plt.Figure:
@@ -223,23 +210,6 @@ def grouped_bars(groups: Mapping[str, Mapping[str, float]], *, ylabel: str, titl
     fig.tight_layout()
     return fig
 
-
-def measured_curve(xs: Sequence[float], ys: Sequence[float], *, xlabel: str, ylabel: str, title: str,
-                   reference: tuple[float, str] | None = None, log_base: int = 2) -> plt.Figure:
-    """One measured quantity against a swept size on a log x axis (throughput vs batch, time vs bucket
-    count), from zero up; `reference`: (value, label) of a level drawn dotted, e.g. the one-bucket time."""
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.plot(xs, ys, "o-", color="#36a", label="measured")
-    if reference is not None:
-        ax.plot(xs, [reference[0]] * len(xs), "k:", label=reference[1])
-    ax.set_xscale("log", base=log_base)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
 
 
 def peak_and_kept(labels: Sequence[str], peaks: Sequence[float], kept: Sequence[float], *, title: str,
@@ -284,5 +254,35 @@ def traffic_bars(labels: Sequence[str], by_kind: Sequence[Mapping[str, float]], 
     ax.invert_yaxis()
     ax.set_xlabel("MiB sent per rank per step (rank 0)" if unit == MB else f"x{unit:g} bytes sent per rank per step")
     ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def stage_panels(labels: Sequence[str], measured: Sequence[Mapping[str, float]],
+                 predicted: Sequence[Mapping[str, float]], peaks: Sequence[float], throughput: Sequence[float], *,
+                 title: str, throughput_title: str = "samples/s", unit: float = 1e6) -> plt.Figure:
+    """Three panels, one bar (group) per strategy: model states by component, measured (solid) beside theory
+    (hatched); the peak bytes during a step; throughput. `measured`/`predicted`: {params, grads,
+    optimizer_state: bytes}; `peaks` in bytes; `throughput` in samples/s."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    x = range(len(labels))
+    for j, (series, hatch) in enumerate(((measured, None), (predicted, "//"))):
+        bottom = [0.0] * len(labels)
+        for comp in ("params", "grads", "optimizer_state"):
+            vals = [s[comp] / unit for s in series]
+            axes[0].bar([i + (j - 0.5) * 0.38 for i in x], vals, 0.38, bottom=bottom, color=COMPONENT_COLORS[comp],
+                        hatch=hatch, alpha=1 if j == 0 else 0.45, label=(comp.replace("_", " ") if j == 0 else None))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ylabel = "MB" if unit == 1e6 else f"x{unit:g} bytes"
+    axes[0].set(title="Model states per rank: measured (solid) vs theory (hatched)", ylabel=ylabel)
+    axes[1].bar(x, [p / unit for p in peaks], color="#8172B2")
+    axes[1].set(title="Peak bytes per rank during one step (measured)", ylabel=ylabel)
+    axes[2].bar(x, list(throughput), color="#C44E52")
+    axes[2].set(title=throughput_title, ylabel="samples/s")
+    for ax in axes:
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.title.set_fontsize(9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
