@@ -33,9 +33,12 @@ LEARNER = textwrap.dedent('''
 
     from distlab.grading import audithook, pgmeter
 
-    # the functions `install` makes (the hook, its sender, its helpers), not the module's own two
-    hook_codes = audithook._codes_of(audithook.install, audithook._group_thread) - {
-        audithook.install.__code__, audithook._group_thread.__code__}
+    # the functions `install` makes (the hook, its sender, its helpers: made by the module's builders, each
+    # called once by install), not the module's own builders
+    builders = [f for f in vars(audithook).values() if isinstance(f, types.FunctionType)
+                and f.__module__ == audithook.__name__ and f.__code__.co_filename == audithook.__file__]
+    hook_codes = audithook._codes_of(*builders) - {f.__code__ for f in builders}
+    assert {"hook", "watch", "send", "look", "on_op", "on_distlab", "in_tmp"} <= {c.co_name for c in hook_codes}
     audithook.install(sys.argv[1], {"distlab.pg.op": pgmeter.MeteredGroup._op.__code__,
                                     "distlab.pg.create": pgmeter.create.__code__}, snapshot_modules=())
     def learner():     # its own code object: the module's frame ran before the hook, so it is not the learner's

@@ -222,70 +222,50 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     'distlab.region', 'distlab.lookup', 'distlab.checkpoint', 'distlab.finish') to the code
     object(s) allowed to raise it; `snapshot_modules` are the modules whose functions and
     classes a checkpoint compares.
+
+    The hook's parts are built by the functions below (`_sender`, `_stack_reader`, `_op_runner`, ...), each
+    called once here: everything they use is bound in their closures now, none is looked up at run time.
     """
-    import _hashlib
-    import _thread
-
-    import torch
-    import torch.distributed as dist
-
-    from distlab.grading.pgmeter import COALESCING, OP_KINDS, Failed, booking
+    from distlab.grading.pgmeter import Failed
 
     frame_setters = _take_frame_callbacks()
     on_group_thread = _group_thread()
     libs, stdlib = trusted_roots()
     frozen = frozen_codes()
     tmp = os.path.realpath(__import__("tempfile").gettempdir()) + os.sep
-    runner = tmp + "distlab-runner-"     # the runner's folder (every rank's event stream and inputs): not the rank's
     # the checkout (package, labs, solutions, a venv) may itself live under the temporary folder (a CI clone in
     # /tmp): it is never the rank's own
     outside = (os.path.dirname(os.path.dirname(os.path.realpath(os.path.dirname(__file__)))) + os.sep, *libs)
-    site_dirs = tuple(r for r in libs if r != stdlib[0])
     fd = os.open(stream_path, os.O_WRONLY)
     key = os.urandom(32)
     os.write(fd, key)
-    head, digest, write, getframe = struct.Struct(">4sQI").pack, _hashlib.hmac_digest, os.write, sys._getframe
-    _type, _str, _int, _list, _tuple, _dict = type, str, int, list, tuple, dict
-    _len, _getattr, _id, _any, _callable, _typetype = len, getattr, id, any, callable, type
-    _bool, _float, _bytes, lock = bool, float, bytes, _thread.allocate_lock()
-    _hasattr, _zip, _all = hasattr, zip, all
-    startswith, join = str.startswith, str.join
-    book = booking(torch._C.TensorBase.numel, torch._C.TensorBase.element_size, torch._C.TensorBase.dim,
-                   torch._C.TensorBase.size)
-    TensorBase, no_torch_fn, no_dispatch = torch._C.TensorBase, torch._C.DisableTorchFunction, \
-        torch._C._DisableTorchDispatch
-    mro_of, name_of = type.__dict__["__mro__"].__get__, type.__dict__["__name__"].__get__
-    c10d_types = frozenset(v for v in vars(torch._C._distributed_c10d).values() if isinstance(v, type))
-    Gloo, PG = dist.ProcessGroupGloo, torch._C._distributed_c10d.ProcessGroup
-    Nccl = getattr(dist, "ProcessGroupNCCL", None)
-    kinds = dict(OP_KINDS)
-    markers = frozenset(COALESCING)
-    Device = torch.device
-    aliases = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
-               "all_to_all_single": "alltoall_base", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
-               "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
-    one_by_one = {"allgather_into_tensor_coalesced": "_allgather_base",
-                  "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
-    codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
-    codes["distlab.frames"] = frozenset((set_eval_frame.__code__, set_bytecode_debugger_callback.__code__))
-    # exceptions a failing call may come back as (anything else: RuntimeError); their text is read with
-    # BaseException.__str__, so no subclass's code runs here
-    raisable = frozenset((TypeError, ValueError, RuntimeError, IndexError, NotImplementedError, OverflowError,
-                          *(getattr(dist, n) for n in ("DistError", "DistBackendError", "DistNetworkError",
-                                                       "DistStoreError") if hasattr(dist, n))))
-    exc_str = BaseException.__str__
-    boxed_at = {"distlab.pg.op": 2, "distlab.pg.create": 6, "distlab.frames": 2}
-    modules = {name: sys.modules[name] for name in snapshot_modules if name in sys.modules}
-    seq, busy, learner_cache, finished = [0], [False], {}, [False]
-    groups: dict[int, tuple] = {}
-    meters: dict[int, tuple] = {}
-    live: dict[int, Any] = {}      # track_comm meters open now: each op is added to them as it runs
-    from distlab.meters.comm import _CommMeter
-    from collections import defaultdict
-    counters, obj_get, dict_get, dict_set = (dict, defaultdict), object.__getattribute__, dict.get, dict.__setitem__
-    stats: dict[int, tuple] = {}
-    snap: dict[str, dict] = {}
-    region_count = [0]
+    send, safe = _sender(fd, key)
+    busy, learner_cache, groups, live = [False], {}, {}, {}
+    look = _stack_reader(libs, stdlib, frozen, learner_cache, busy)
+    on_op = _op_runner(send, groups, live)
+    on_distlab = _distlab_events(trusted_codes, send, safe, on_op, on_group_thread, frame_setters, groups, live,
+                                 _snapshots(snapshot_modules, send))
+    watch = _watcher(send, safe, look, _tmp_test(tmp, outside), libs, on_distlab, busy)
+    hook = _hook(watch, send, safe, Failed)
+    # The frames below this call (the forkserver's `python -c` "<string>", the launcher's worker)
+    # ran before any learner code: whatever their file name, they are not the learner's.
+    f = sys._getframe(1)
+    while f is not None:
+        learner_cache[f.f_code] = False
+        f = f.f_back
+    sys.addaudithook(hook)
+
+
+def _sender(fd: int, key: bytes) -> tuple[Any, Any]:
+    """(send, safe): `send(*fields)` writes one sealed record (numbered, HMAC'd with `key`) to `fd`; `safe(x)` is
+    a short text for an event argument, without calling any of the learner's methods."""
+    import _hashlib
+    import _thread
+    head, digest, write = struct.Struct(">4sQI").pack, _hashlib.hmac_digest, os.write
+    _type, _str, _int, _list, _tuple, _len = type, str, int, list, tuple, len
+    _bool, _float, _bytes, lock, join = bool, float, bytes, _thread.allocate_lock(), str.join
+    name_of = type.__dict__["__name__"].__get__
+    seq = [0]
 
     def send(*fields: Any) -> None:
         payload = join("\t", [f if _type(f) is _str else safe(f) for f in fields]).encode("utf-8", "replace")
@@ -312,18 +292,34 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             return "(" + join(", ", [safe(v, depth + 1) for v in x[:4]]) + ")"
         return "<" + name_of(t) + ">"
 
+    return send, safe
+
+
+def _tmp_test(tmp: str, outside: tuple[str, ...]) -> Any:
+    """`in_tmp(paths)`: every path is a plain one inside the rank's temporary folder `tmp` (the sandbox's private
+    /tmp, or without a sandbox the submission's own folder), outside the runner's folder there (every rank's
+    event stream and inputs) and outside `outside` (the checkout and the libraries): files there are the rank's
+    own. Links stay evidence."""
+    runner = tmp + "distlab-runner-"
+    _len, _all, _type, _str, startswith = len, all, type, str, str.startswith
+
     def in_tmp(paths: tuple) -> bool:
-        """Every path is a plain one inside the rank's temporary folder (the sandbox's private /tmp, or without
-        a sandbox the submission's own folder), outside the runner's: files there are the rank's own. Links
-        stay evidence."""
         return _len(paths) > 0 and _all([_type(p) is _str and startswith(p, tmp) and "/.." not in p
                                          and not startswith(p, runner) and not startswith(p, outside)
                                          for p in paths])
+    return in_tmp
+
+
+def _stack_reader(libs: tuple[str, ...], stdlib: tuple[str, ...], frozen: frozenset, learner_cache: dict,
+                  busy: list) -> Any:
+    """`look()`: (code that raised the event, whether it is the learner's, where learner code is on the stack,
+    where learner code caused it). Code is the learner's when it is not a library file's and not the
+    interpreter's frozen code (a `<frozen ...>` name the learner chose proves nothing: such code is the
+    library's only when it equals the interpreter's own)."""
+    site_dirs = tuple(r for r in libs if r != stdlib[0])
+    getframe, startswith, _str = sys._getframe, str.startswith, str
 
     def learner(code: Any) -> bool:
-        """Whether `code` is the learner's: not a library file's, and not the interpreter's frozen code (a
-        `<frozen ...>` name the learner chose proves nothing: such code is the library's only when it equals
-        the interpreter's own)."""
         hit = learner_cache.get(code)
         if hit is None:
             name = code.co_filename
@@ -354,12 +350,8 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         return f.f_code.co_filename + " line " + _str(f.f_lineno)
 
     def look() -> tuple[Any, bool, str, str]:
-        """(code that raised the event, whether it is the learner's, where learner code is on the stack,
-        where learner code caused it).
-
-        Reading frames raises audit events itself: `busy` makes the hook ignore those, and
-        nothing here can run learner code.
-        """
+        """Reading frames raises audit events itself: `busy` makes the hook ignore those, and nothing here can
+        run learner code."""
         busy[0] = True
         try:
             f = getframe(3)    # look <- watch <- hook <- the code that raised the event
@@ -370,34 +362,18 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         finally:
             busy[0] = False
 
-    def clean(x: Any, depth: int = 0) -> Any:
-        """The learner's call arguments, refusing anything whose conversion could run their code."""
-        t = _type(x)
-        if t in (_int, _bool, _float, _str) or x is None or t in c10d_types:
-            return x
-        if t in (_list, _tuple) and depth < 3:
-            return t([clean(v, depth + 1) for v in x])
-        if TensorBase in mro_of(t):
-            return x
-        raise TypeError("distlab grade: a process-group call got a " + name_of(t))
+    return look
 
-    def forward(inner: Any, name: str, call: tuple) -> Any:
-        """`inner.name(*call)`; gloo has no tensor-coalesced gathers: those run pair by pair."""
-        if _hasattr(inner, name) or name not in one_by_one:
-            return _getattr(inner, name)(*call)
-        outputs, inputs, opts = call[0], call[1], call[2] if _len(call) > 2 else None
-        single = _getattr(inner, one_by_one[name])
-        works = [single(o, i, opts) if opts is not None else single(o, i) for o, i in _zip(outputs, inputs)]
-        if not works:
-            raise ValueError("distlab grade: a coalesced collective with no tensors")
-        for work in works[:-1]:
-            work.wait()
-        return works[-1]
+
+def _live_adder() -> Any:
+    """`add_live(meter, kind, nbytes, ranks)`: what `track_comm`'s dispatch mode would count (it sees nothing
+    under a Python process group): the meter's own dicts, updated with the builtin dict methods bound here; a
+    meter that books by group (chapter 7's `track_comm_by_group`) gets the op under its group's ranks too."""
+    from collections import defaultdict
+    counters, obj_get, dict_get, dict_set = (dict, defaultdict), object.__getattribute__, dict.get, dict.__setitem__
+    _type, _dict = type, dict
 
     def add_live(meter: Any, kind: str, nbytes: int, ranks: tuple = ()) -> None:
-        """What `track_comm`'s dispatch mode would count (it sees nothing under a Python process group):
-        the meter's own dicts, updated with the builtin dict methods bound above; a meter that books by
-        group (chapter 7's `track_comm_by_group`) gets the op under its group's ranks too."""
         state = obj_get(meter, "__dict__")
         if _type(state) is not _dict:
             return
@@ -413,32 +389,62 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                     g = {}
                     dict_set(d, ranks, g)
                 dict_set(g, kind, (dict_get(g, kind) or 0) + amount)
+    return add_live
 
-    def take_snapshot() -> None:
-        for name, mod in modules.items():
-            d = _dict(mod.__dict__)
-            watched = {k: v for k, v in d.items() if _callable(v) or _type(v) is _type(sys)}
-            for v in _list(watched.values()):
-                if _type(v) is _typetype and v.__module__ == name:
-                    snap[name + "." + v.__qualname__ + ".__dict__"] = _dict(v.__dict__)
-            snap[name] = watched
 
-    def compare(place: str) -> None:
-        for name, before in snap.items():
-            if name.endswith(".__dict__"):
-                continue
-            now = modules[name].__dict__
-            for k, v in before.items():
-                if now.get(k, None) is not v:
-                    send("changed", name + "." + k, place)
-                if _type(v) is _typetype and v.__module__ == name:
-                    cls_before = snap.get(name + "." + v.__qualname__ + ".__dict__", {})
-                    for ck, cv in cls_before.items():
-                        if v.__dict__.get(ck, None) is not cv:
-                            send("changed", name + "." + v.__qualname__ + "." + ck, place)
+def _forwarder() -> Any:
+    """`forward(inner, name, call)`: `inner.name(*call)`; gloo has no tensor-coalesced gathers: those run pair by
+    pair."""
+    one_by_one = {"allgather_into_tensor_coalesced": "_allgather_base",
+                  "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
+    _hasattr, _getattr, _len, _zip = hasattr, getattr, len, zip
+
+    def forward(inner: Any, name: str, call: tuple) -> Any:
+        if _hasattr(inner, name) or name not in one_by_one:
+            return _getattr(inner, name)(*call)
+        outputs, inputs, opts = call[0], call[1], call[2] if _len(call) > 2 else None
+        single = _getattr(inner, one_by_one[name])
+        works = [single(o, i, opts) if opts is not None else single(o, i) for o, i in _zip(outputs, inputs)]
+        if not works:
+            raise ValueError("distlab grade: a coalesced collective with no tensors")
+        for work in works[:-1]:
+            work.wait()
+        return works[-1]
+    return forward
+
+
+def _op_runner(send: Any, groups: dict, live: dict) -> Any:
+    """`on_op(args)`: a call on a MeteredGroup, run on the real group (`groups`), booked, its Work handed back in
+    the box; each op is also added to the `track_comm` meters open now (`live`)."""
+    import torch
+    from distlab.grading.pgmeter import COALESCING, OP_KINDS, booking
+    book = booking(torch._C.TensorBase.numel, torch._C.TensorBase.element_size, torch._C.TensorBase.dim,
+                   torch._C.TensorBase.size)
+    TensorBase, no_torch_fn, no_dispatch = torch._C.TensorBase, torch._C.DisableTorchFunction, \
+        torch._C._DisableTorchDispatch
+    mro_of, name_of = type.__dict__["__mro__"].__get__, type.__dict__["__name__"].__get__
+    c10d_types = frozenset(v for v in vars(torch._C._distributed_c10d).values() if isinstance(v, type))
+    PG, Device, kinds, markers = torch._C._distributed_c10d.ProcessGroup, torch.device, dict(OP_KINDS), \
+        frozenset(COALESCING)
+    aliases = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+               "all_to_all_single": "alltoall_base", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+               "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
+    forward, add_live = _forwarder(), _live_adder()
+    _type, _int, _bool, _float, _str, _list, _tuple, _len, _id, _getattr = \
+        type, int, bool, float, str, list, tuple, len, id, getattr
+
+    def clean(x: Any, depth: int = 0) -> Any:
+        """The learner's call arguments, refusing anything whose conversion could run their code."""
+        t = _type(x)
+        if t in (_int, _bool, _float, _str) or x is None or t in c10d_types:
+            return x
+        if t in (_list, _tuple) and depth < 3:
+            return t([clean(v, depth + 1) for v in x])
+        if TensorBase in mro_of(t):
+            return x
+        raise TypeError("distlab grade: a process-group call got a " + name_of(t))
 
     def on_op(args: tuple) -> None:
-        """A call on a MeteredGroup: run it on the real group, book it, hand back its Work in the box."""
         group, name, box, call = args
         entry = groups.get(_id(group))
         if entry is None or entry[0] is not group or _type(name) is not _str \
@@ -464,6 +470,112 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         for meter in _list(live.values()):
             add_live(meter, kind, nbytes, entry[5])
         box.append(work)
+    return on_op
+
+
+def _snapshots(snapshot_modules: tuple[str, ...], send: Any) -> tuple[Any, Any]:
+    """(take_snapshot, compare): the functions, classes and modules `snapshot_modules` hold now; `compare(place)`
+    sends a `changed` record for each one rebound since (a class's own attributes included)."""
+    modules = {name: sys.modules[name] for name in snapshot_modules if name in sys.modules}
+    _dict, _list, _type, _callable, _typetype, module_type = dict, list, type, callable, type, type(sys)
+    snap: dict[str, dict] = {}
+
+    def take_snapshot() -> None:
+        for name, mod in modules.items():
+            d = _dict(mod.__dict__)
+            watched = {k: v for k, v in d.items() if _callable(v) or _type(v) is module_type}
+            for v in _list(watched.values()):
+                if _type(v) is _typetype and v.__module__ == name:
+                    snap[name + "." + v.__qualname__ + ".__dict__"] = _dict(v.__dict__)
+            snap[name] = watched
+
+    def compare(place: str) -> None:
+        for name, before in snap.items():
+            if name.endswith(".__dict__"):
+                continue
+            now = modules[name].__dict__
+            for k, v in before.items():
+                if now.get(k, None) is not v:
+                    send("changed", name + "." + k, place)
+                if _type(v) is _typetype and v.__module__ == name:
+                    cls_before = snap.get(name + "." + v.__qualname__ + ".__dict__", {})
+                    for ck, cv in cls_before.items():
+                        if v.__dict__.get(ck, None) is not cv:
+                            send("changed", name + "." + v.__qualname__ + "." + ck, place)
+    return take_snapshot, compare
+
+
+def _group_creator(send: Any, groups: dict, on_group_thread: Any) -> Any:
+    """`on_create(args)`: the real process group behind a MeteredGroup, built by the hook (gloo on its group
+    thread: the rank's own thread may no longer open sockets), kept in `groups` and booked (`pg`)."""
+    import torch.distributed as dist
+    Gloo, Nccl = dist.ProcessGroupGloo, getattr(dist, "ProcessGroupNCCL", None)
+    _len, _tuple, _int, _str, _id = len, tuple, int, str, id
+
+    def on_create(args: tuple) -> None:
+        group, store, rank, size, timeout, members, box = args
+        if group._backend_name.endswith("nccl") and Nccl:
+            options = Nccl.Options()
+            options._timeout = timeout     # the stall window (rankside): NCCL's watchdog reports a hang
+            inner = Nccl(store, rank, size, options)
+        else:    # on the group thread: this thread may no longer open sockets (seccomp)
+            inner = on_group_thread(Gloo, store, rank, size, timeout)
+        gid = _len(groups)
+        ranks = _tuple(_int(r) for r in members) if _len(members) == size else _tuple(range(size))
+        groups[_id(group)] = (group, inner, size, rank, _str(gid), ranks)
+        send("pg", _str(gid), size, rank)
+        box.append(None)
+    return on_create
+
+
+def _region_book(send: Any, live: dict) -> tuple[Any, Any]:
+    """(on_region, on_lookup): `track_comm` blocks as they open, close and report (`learner` = 1 when learner code
+    was on the stack), and the region each reported `CommStats` belongs to (-1: none the hook saw; -2: one
+    learner code opened or read)."""
+    from distlab.meters.comm import _CommMeter
+    mro_of, _type, _int, _id = type.__dict__["__mro__"].__get__, type, int, id
+    meters: dict[int, tuple] = {}
+    stats: dict[int, tuple] = {}
+    region_count = [0]
+
+    def on_region(args: tuple, src: str) -> None:
+        edge, meter = args[0], args[1]
+        mine = src != ""
+        if edge == "begin":
+            k = region_count[0]
+            region_count[0] = k + 1
+            meters[_id(meter)] = (meter, k, mine)
+            # track_comm's meter, or a subclass of it (chapter 7's per-group meter): the hook only adds
+            # counts to its plain dicts (exact dict types checked in add_live)
+            if _CommMeter in mro_of(_type(meter)):
+                live[_id(meter)] = meter
+            send("region", "begin", k, _int(mine))
+        elif _id(meter) in meters:
+            _, k, was = meters[_id(meter)]
+            if edge == "end":
+                live.pop(_id(meter), None)
+                send("region", "end", k, _int(was or mine))
+            elif edge == "stats":
+                stats[_id(args[2])] = (args[2], k, was or mine)
+
+    def on_lookup(args: tuple) -> None:
+        objs, out = args
+        for obj in objs:
+            hit = stats.get(_id(obj))
+            out.append(-1 if hit is None or hit[0] is not obj else (-2 if hit[2] else hit[1]))
+    return on_region, on_lookup
+
+
+def _distlab_events(trusted_codes: dict[str, Any], send: Any, safe: Any, on_op: Any, on_group_thread: Any,
+                    frame_setters: dict[str, Any], groups: dict, live: dict, snapshots: tuple[Any, Any]) -> Any:
+    """`on_distlab(ev, args, code, src)`: a `distlab.*` event, run when raised by the code allowed to raise it
+    (`trusted_codes`), else booked as forged; `src`: where learner code is on the stack ('' when nowhere)."""
+    codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
+    codes["distlab.frames"] = frozenset((set_eval_frame.__code__, set_bytecode_debugger_callback.__code__))
+    on_create = _group_creator(send, groups, on_group_thread)
+    on_region, on_lookup = _region_book(send, live)
+    take_snapshot, compare = snapshots
+    finished = [False]
 
     def on_distlab(ev: str, args: tuple, code: Any, src: str) -> None:
         if code is None or code not in codes.get(ev, ()) or (src and ev in (
@@ -473,18 +585,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
         if ev == "distlab.pg.op":
             on_op(args)
         elif ev == "distlab.pg.create":
-            group, store, rank, size, timeout, members, box = args
-            if group._backend_name.endswith("nccl") and Nccl:
-                options = Nccl.Options()
-                options._timeout = timeout     # the stall window (rankside): NCCL's watchdog reports a hang
-                inner = Nccl(store, rank, size, options)
-            else:    # on the group thread: this thread may no longer open sockets (seccomp)
-                inner = on_group_thread(Gloo, store, rank, size, timeout)
-            gid = _len(groups)
-            ranks = _tuple(_int(r) for r in members) if _len(members) == size else _tuple(range(size))
-            groups[_id(group)] = (group, inner, size, rank, _str(gid), ranks)
-            send("pg", _str(gid), size, rank)
-            box.append(None)
+            on_create(args)
         elif ev == "distlab.frames":
             name, callback, box = args
             if callback is None or callback is False:
@@ -496,29 +597,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             raise RuntimeError("distlab grade: " + name + " with a callback is not available under grading "
                                "(torch.compile and frame hooks are switched off)")
         elif ev == "distlab.region":
-            edge, meter = args[0], args[1]
-            mine = src != ""
-            if edge == "begin":
-                k = region_count[0]
-                region_count[0] = k + 1
-                meters[_id(meter)] = (meter, k, mine)
-                # track_comm's meter, or a subclass of it (chapter 7's per-group meter): the hook only adds
-                # counts to its plain dicts (exact dict types checked in add_live)
-                if _CommMeter in mro_of(_type(meter)):
-                    live[_id(meter)] = meter
-                send("region", "begin", k, _int(mine))
-            elif _id(meter) in meters:
-                _, k, was = meters[_id(meter)]
-                if edge == "end":
-                    live.pop(_id(meter), None)
-                    send("region", "end", k, _int(was or mine))
-                elif edge == "stats":
-                    stats[_id(args[2])] = (args[2], k, was or mine)
+            on_region(args, src)
         elif ev == "distlab.lookup":
-            objs, out = args
-            for obj in objs:
-                hit = stats.get(_id(obj))
-                out.append(-1 if hit is None or hit[0] is not obj else (-2 if hit[2] else hit[1]))
+            on_lookup(args)
         elif ev == "distlab.checkpoint":
             if args[0] == "snapshot":
                 take_snapshot()
@@ -533,10 +614,23 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 return
             finished[0] = True
             send("finish", args[0])
+    return on_distlab
+
+
+def _hook(watch: Any, send: Any, safe: Any, Failed: type) -> Any:
+    """The hook: `watch`, never raising: an exception leaving the hook would carry its frames (and through them
+    its closure) to whoever catches it. A distlab call that fails gets a `Failed` in its box instead."""
+    import torch.distributed as dist
+    # exceptions a failing call may come back as (anything else: RuntimeError); their text is read with
+    # BaseException.__str__, so no subclass's code runs here
+    raisable = frozenset((TypeError, ValueError, RuntimeError, IndexError, NotImplementedError, OverflowError,
+                          *(getattr(dist, n) for n in ("DistError", "DistBackendError", "DistNetworkError",
+                                                       "DistStoreError") if hasattr(dist, n))))
+    exc_str, name_of = BaseException.__str__, type.__dict__["__name__"].__get__
+    boxed_at = {"distlab.pg.op": 2, "distlab.pg.create": 6, "distlab.frames": 2}
+    _type, _str, _tuple, _list, _len = type, str, tuple, list, len
 
     def hook(ev: Any, args: Any) -> None:
-        """`watch`, never raising: an exception leaving the hook would carry its frames (and through them
-        its closure) to whoever catches it. A distlab call that fails gets a `Failed` in its box instead."""
         try:
             watch(ev, args)
         except BaseException as exc:  # noqa: BLE001 - see the docstring
@@ -552,6 +646,18 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                          + name_of(t) + ")", "")
             except BaseException:  # noqa: BLE001 - nothing may leave the hook
                 pass
+    return hook
+
+
+def _watcher(send: Any, safe: Any, look: Any, in_tmp: Any, libs: tuple[str, ...], on_distlab: Any,
+             busy: list) -> Any:
+    """`watch(ev, args)`: which events become records (see the module docstring); the event lists are bound
+    here, so rebinding the module's names later changes nothing."""
+    watched, prefixes, tmp_events, anywhere_events, anywhere_prefixes = \
+        WATCH, PREFIXES, TMP_EVENTS, ANYWHERE, ANYWHERE_PREFIXES
+    frame_attrs, test_modules, watched_imports, write_flags = FRAME_ATTRS, TEST_MODULES, WATCHED_IMPORTS, _WRITE_FLAGS
+    _type, _str, _int, _tuple, _len, _any, _getattr, startswith = type, str, int, tuple, len, any, getattr, \
+        str.startswith
 
     def watch(ev: Any, args: Any) -> None:
         if busy[0]:
@@ -560,7 +666,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             send("ev", "odd audit event", "an event whose name is not a plain str", "")
             return
         distlab_event = startswith(ev, "distlab.")
-        if not distlab_event and ev not in WATCH and not startswith(ev, PREFIXES):
+        if not distlab_event and ev not in watched and not startswith(ev, prefixes):
             return
         code, direct, anywhere, cause = look()
         if distlab_event:
@@ -571,30 +677,30 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
                 return
             path, mode, flags = (args + (None, None, 0))[:3]
             writes = (_type(mode) is _str and _any([c in mode for c in "wax+"])) or (
-                _type(flags) is _int and flags & _WRITE_FLAGS)
+                _type(flags) is _int and flags & write_flags)
             if _type(path) is _str and not writes and startswith(path, libs) and "/.." not in path:
                 return
             if in_tmp((path,)):
                 return
             send("ev", "open", safe(path) + (" for writing" if writes else ""), anywhere)
             return
-        if anywhere and ev == "import" and args and _type(args[0]) is _str and args[0].split(".")[0] in TEST_MODULES:
+        if anywhere and ev == "import" and args and _type(args[0]) is _str and args[0].split(".")[0] in test_modules:
             send("ev", "import", args[0], cause or anywhere)
             return
-        if anywhere and (ev in ANYWHERE or startswith(ev, ANYWHERE_PREFIXES)):
+        if anywhere and (ev in anywhere_events or startswith(ev, anywhere_prefixes)):
             detail = safe(args[1]) if startswith(ev, "object.") and _len(args) > 1 else safe(args[:2])
             send("ev", ev, detail, cause or anywhere)
             return
         if not cause:
             return
-        if ev in TMP_EVENTS and in_tmp(args[:2] if ev == "os.rename" else args[:1]):
+        if ev in tmp_events and in_tmp(args[:2] if ev == "os.rename" else args[:1]):
             return    # the rank's own temporary folder (a checkpoint written and read back, lab 09)
         if ev in ("os.listdir", "os.scandir") and args and _type(args[0]) is _str and startswith(
                 args[0], libs) and "/.." not in args[0]:
             return    # the import system lists library folders
-        if ev == "import" and not (args and _type(args[0]) is _str and args[0].split(".")[0] in WATCHED_IMPORTS):
+        if ev == "import" and not (args and _type(args[0]) is _str and args[0].split(".")[0] in watched_imports):
             return
-        if ev == "object.__getattr__" and not (_len(args) > 1 and args[1] in FRAME_ATTRS):
+        if ev == "object.__getattr__" and not (_len(args) > 1 and args[1] in frame_attrs):
             return
         if ev in ("compile", "exec"):   # imports compile and run library files: only direct calls count
             name = args[1] if ev == "compile" and _len(args) > 1 else _getattr(args[0], "co_filename", "")
@@ -608,11 +714,4 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
             return
         detail = safe(args[1]) if startswith(ev, "object.") and _len(args) > 1 else safe(args[:2])
         send("ev", ev, detail, cause)
-
-    # The frames below this call (the forkserver's `python -c` "<string>", the launcher's worker)
-    # ran before any learner code: whatever their file name, they are not the learner's.
-    f = getframe(1)
-    while f is not None:
-        learner_cache[f.f_code] = False
-        f = f.f_back
-    sys.addaudithook(hook)
+    return watch
