@@ -54,9 +54,11 @@ def test_tour_quick_without_notebooks(tmp_path, capsys, no_orphans):
     assert [round(sum(r["model_state_bytes"].values()) / 1e9, 1) for r in scale.values()] == [120.0, 31.4, 16.6, 1.9]
     # ZeRO-2 keeps the bf16 weights whole and 1/N of the rest: its gradient shard is 2 Psi / N
     assert scale["zero2"]["model_state_bytes"]["grads"] == pytest.approx(2 * 7.5e9 / 64, rel=0.01)
-    # ZeRO-3 sends 3 Psi, ZeRO-1 2 Psi: two gathers and a reduce-scatter per unit (8 blocks + 2 end units)
+    # ZeRO-3 sends 3 Psi, ZeRO-1 2 Psi: two gathers and a reduce-scatter per unit (a unit per block + 2 end units)
     assert scale["zero3"]["comm_bytes_per_step"] / scale["zero1"]["comm_bytes_per_step"] == pytest.approx(1.5, rel=1e-3)
-    assert scale["zero3"]["collective_calls"] == {"all_gather": 2 * 10, "reduce_scatter": 10}
+    units = scale["zero3"]["layers"] + 2
+    assert units >= 4
+    assert scale["zero3"]["collective_calls"] == {"all_gather": 2 * units, "reduce_scatter": units}
     assert "The ZeRO table at 7.5B on 64 ranks, simulated" in report
 
 
