@@ -632,29 +632,8 @@ def test_sandbox_creates_nvidia_uvm_before_binding_gpu_nodes(monkeypatch):
     assert sandbox.gpu_nodes() and len(ran) == 1       # uvm exists now: no second CUDA call
 
 
-# ---------------------------------------------------------------- the nbval path: hand-ins are data
-
-def test_nbval_grading_imports_no_conftest_or_test_file_from_the_hand_ins_and_names_items_by_task(tmp_path):
-    """A conftest.py or test_*.py handed in beside a notebook would run in pytest's process, as the instructor
-    and outside the sandbox (issue 38: a conftest forced PASS). Collection alone imports them, so collecting
-    shows it; the items are the lab's tasks."""
-    import shutil
-
-    from distlab.grading.lab import resolve_lab
-    handins = tmp_path / "handins" / "bob"
-    handins.mkdir(parents=True)
-    shutil.copy(resolve_lab("01_collectives"), handins / "bob.ipynb")
-    for name in ("conftest.py", "test_evil.py", "__init__.py"):
-        (handins / name).write_text(f"open({str(tmp_path / name)!r} + '.ran', 'w').close()\n")
-    (tmp_path / "handins" / "conftest.py").write_text(f"open({str(tmp_path / 'top')!r} + '.ran', 'w').close()\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "distlab", "-p", "no:cacheprovider", "--collect-only",
-                          "-q", "--distlab-grade", "01_collectives", str(tmp_path / "handins")],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert sorted(p.name for p in tmp_path.glob("*.ran")) == []
-    items = [line.split("::", 1)[1] for line in run.stdout.splitlines() if "::" in line]
-    assert items == ["reduce_scatter", "all_gather", "all_reduce", "naive_all_reduce"], items
-
+# The nbval path's hand-ins are data (no conftest.py or test_*.py beside them is imported, items named by task):
+# tests/test_grading_class.py::test_instructors_grade_through_nbval_on_the_same_engine, in its graded run.
 
 FAKE_NCCL_SCRIPT = r"""
 import os, sys, tempfile, types

@@ -587,10 +587,17 @@ def test_self_check_prints_progress_and_a_one_line_summary(tmp_path, capsys, no_
 
 
 def test_instructors_grade_through_nbval_on_the_same_engine(tmp_path):
-    # pytest --nbval-lax --distlab-grade LAB handins/ -n 2: one item per check cell, junit as usual
+    # pytest --nbval-lax --distlab-grade LAB handins/ -n 2: one item per graded task, named by it, junit as usual.
+    # Hand-ins are data (issue 38: a conftest.py handed in forced PASS): a conftest.py or test_*.py beside the
+    # notebooks, or in a package folder below them, would run in pytest's processes (controller and workers),
+    # as the instructor and outside the sandbox; each writes a marker file if it ever runs
     handins = tmp_path / "handins"
     cls = mk.ch1_class()
     mk.write({"alice": cls["correct"], "bob": cls["partial"]}, handins)
+    (handins / "extra").mkdir()
+    for where, name in [(handins, "conftest.py"), (handins, "test_evil.py"), (handins / "extra", "conftest.py"),
+                        (handins / "extra", "test_evil.py"), (handins / "extra", "__init__.py")]:
+        (where / name).write_text(f"open({str(tmp_path / (where.name + '_' + name))!r} + '.ran', 'w').close()\n")
     junit = tmp_path / "grades.xml"
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "distlab", "--nbval-lax", "--distlab-grade",
                           "01_collectives", "--distlab-only", "reduce_scatter, 2 ranks", "-n", "2", "-p",
@@ -598,6 +605,7 @@ def test_instructors_grade_through_nbval_on_the_same_engine(tmp_path):
                          + ([] if BWRAP else ["--distlab-no-sandbox"]),
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert "1 failed, 1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.glob("*.ran")) == []
     assert "expected: PASS reduce_scatter, 2 ranks, traffic: point-to-point only, sends (N-1)/N x S" in run.stdout
     assert "got:      FAIL reduce_scatter, 2 ranks, traffic: audit: called all_reduce" in run.stdout
     cases = {c.get("classname").split("handins.")[-1] + "::" + c.get("name"): c.find("failure") is None
