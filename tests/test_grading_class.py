@@ -16,10 +16,11 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
   whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8), as one
   learner's hand-ins of the whole course (`grade_together`: one runner, one sandbox, lab after lab: one
   interpreter start for all of them; each lab's cases, inputs, audit and verdicts are still its own);
-- in labs 03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`), graded on
-  the attacked task's first case only, with the solution's drawn inputs and references, the six together as
-  a second hand-in, with lab 8's schedule tables taken from the package (issue 38). Unfilled labs: the
-  class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
+- after the solutions, in the same runner (one runner start for all): lab 02's library shortcuts; in labs
+  03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`), graded on the
+  attacked task's first case only, with the solution's drawn inputs and references; labs 08-10's answers
+  taken from the package (issue 38). Unfilled labs: the class's `not_started` here, and every lab's stubs in
+  tests/test_labs.py (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
 conftest's `no_orphans`, applied after the whole session's grading).
@@ -160,13 +161,6 @@ def _grade_everything(tmp_path_factory, labs):
                                   opts=kernel_opts)
         return grade(the_lab, [folder / "kernel"], out=folder / "kernel_grades", jobs=2, opts=kernel_opts) + together
 
-    def shortcut_run():
-        # lab 02's NaiveDDP as PyTorch's DDP: named in the source (seen here) and built from strings (seen on
-        # the rank); one case each, the three in one runner
-        paths = mk.write(mk.shortcut_attacks(), folder / "shortcut")
-        the_lab = lab("02_ddp", ["NaiveDDP, 2 ranks"])
-        return grade_together([(the_lab, path) for path in paths.values()], opts=opts)
-
     shipped, caps = {}, {}
 
     def prepared(name):
@@ -176,16 +170,17 @@ def _grade_everything(tmp_path_factory, labs):
                 shipped[name] = prepare(name, first_case=True)
             return shipped[name]
 
-    def solutions_run():
-        # every selected lab's solution, as one learner's hand-ins of the whole course: one runner, one sandbox
-        paths = mk.write({name: mk.solution_and_unfilled(name)["correct"] for name in labs}, folder / "solutions")
-        got = grade_together([(prepared(name), paths[name]) for name in labs], opts=opts)
-        return {name: r for name, r in zip(labs, got)}
+    def shortcut_parts():
+        # lab 02's NaiveDDP as PyTorch's DDP: named in the source (seen here) and built from strings (seen on
+        # the rank); one case each
+        paths = mk.write(mk.shortcut_attacks(), folder / "shortcut")
+        the_lab = lab("02_ddp", ["NaiveDDP, 2 ranks"])
+        return [(name, the_lab, path) for name, path in paths.items()]
 
-    def predicted_run():
+    def predicted_parts():
         # labs 03-08: an answer rebuilt from the package's seeds, graded on the attacked task's first case only,
         # with the solution's drawn inputs and references (the other tasks hold the solution's answers, graded
-        # in solutions_run); the six as one hand-in, one runner
+        # as the solutions)
         # With them, issue 38's route to lab 8's answers in the package (its two schedule-table tasks' smaller
         # cases, one rank each; they scored 7/7 before), always graded.
         names = [name for name in labs if name in mk.PREDICTED]
@@ -205,19 +200,32 @@ def _grade_everything(tmp_path_factory, labs):
             paths[f"package_{name}"] = mk.write({f"package_{name}": mk.package_routes(name)}, folder / "routes")[
                 f"package_{name}"]
             names.append(f"package_{name}")
-        got = grade_together([(lab, paths[name]) for lab, name in zip(attacked, names)], opts=opts)
-        return {name: r for name, r in zip(names, got)}
+        return [(name, the_lab, paths[name]) for the_lab, name in zip(attacked, names)]
+
+    def course_run():
+        # every selected lab's solution, as one learner's hand-ins of the whole course: one runner, one sandbox;
+        # after them, in the same runner, the answers graded on one task each (lab 02's shortcuts, the REBUILT
+        # answers, the package's answers): one runner start (the full preload, ~4 CPU s) for all of them
+        paths = mk.write({name: mk.solution_and_unfilled(name)["correct"] for name in labs}, folder / "solutions")
+        parts = [("solutions", name, prepared(name), paths[name]) for name in labs]
+        parts += [("shortcut", *part) for part in shortcut_parts()] if BWRAP else []
+        parts += [("predicted", *part) for part in predicted_parts()]
+        got = grade_together([(the_lab, path) for _, _, the_lab, path in parts], opts=opts)
+        out = {"solutions": {}, "shortcut": {}, "predicted": {}}
+        for (key, name, _, _), r in zip(parts, got):
+            out[key][name] = r
+        return out
 
     # longest first; the class runs grade two submissions at a time themselves
-    work = [("solutions", solutions_run), ("class", class_run)]
-    work += [("attacks", attack_run), ("kernel", kernel_run), ("shortcut", shortcut_run)] if BWRAP else []
-    work += [("predicted", predicted_run)]
+    work = [("course", course_run), ("class", class_run)]
+    work += [("attacks", attack_run), ("kernel", kernel_run)] if BWRAP else []
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {key: pool.submit(fn) for key, fn in work}
         done = {key: f.result() for key, f in futures.items()}
     finally:
         listener.close()
+    done.update(done.pop("course"))      # solutions, shortcut, predicted: their CPU s are shares of one runner's
     leftover = [what for pid, what in _descendants().items() if pid not in before]
     flat = {key: list(got.values()) if isinstance(got, dict) else got for key, got in done.items()}
     results = [r for got in flat.values() for r in got]
@@ -230,7 +238,7 @@ def _grade_everything(tmp_path_factory, labs):
               f"longest {max((r.seconds for r in got), default=0):.0f} s")
     return SimpleNamespace(
         cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
-        kernel=_by_stem(done.get("kernel", [])), shortcut=_by_stem(done.get("shortcut", [])), folder=folder,
+        kernel=_by_stem(done.get("kernel", [])), shortcut=done["shortcut"], folder=folder,
         labs=done["solutions"], predicted={k: r for k, r in done["predicted"].items() if k in mk.PREDICTED},
         kernel_caps=caps.get("prepared", {}), package_answers=done["predicted"]["package_answers"],
         package_routes={name: done["predicted"][f"package_{name}"] for name in mk.PACKAGE_ROUTES},
