@@ -130,9 +130,9 @@ def test_the_planner_predicts_the_simulated_model_states_of_the_recipes_within_5
 
 def test_a_slice_of_blocks_gives_the_model_states_of_the_whole_depth():
     from distlab.course.planner import Layout, ModelSpec
-    spec = ModelSpec(n_layers=6, d_model=64, n_heads=4, vocab_size=512, max_seq=64)
-    # the lab's ZeRO-2 (flat buckets) on 8; FSDP2 over dp 2 x TP 2, pipeline stage 0 of 2 (3 blocks from 1 and 2)
-    for layout in (Layout(dp=8, zero=2), Layout(dp=2, tp=2, pp=2, zero=3, m=2)):
+    # the lab's ZeRO-2 (flat buckets) on 8; FSDP2 over dp 2 x TP 2, pipeline stage 0 of 2: 3 blocks from 1 and 2
+    for layers, layout in ((3, Layout(dp=8, zero=2)), (6, Layout(dp=2, tp=2, pp=2, zero=3, m=2))):
+        spec = ModelSpec(n_layers=layers, d_model=64, n_heads=4, vocab_size=512, max_seq=64)
         whole = sim.check_plan(spec, layout, seq_len=64, classes=classes(), backward=False)
         sliced = sim.check_plan(spec, layout, seq_len=64, classes=classes(), backward=False, blocks=1)
         assert sliced.simulated_bytes == whole.simulated_bytes, layout
