@@ -71,8 +71,20 @@ def _end_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(tree, timeout=grace_s)
+    # Until each is gone or a zombie (dead; its new parent, not us, reaps it when it gets to it: psutil's
+    # wait_procs would wait for that reaping too, ~1 s here).
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in tree):
+        time.sleep(0.02)
     proc.wait()
+
+
+def _alive(p: Any) -> bool:
+    import psutil
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _pytest(args: list[str], env: dict[str, str], junit: Path, timeout: float,
