@@ -8,9 +8,9 @@ Everything is graded once per test session (`graded`), two runs at a time so bot
   at a time, reports written, as an instructor would;
 - the attacks (one per route) and the broken files on its 2-rank case, as a second class run;
 - issue 28's attacks (kernel limits, DoS results) and the honest solution on the same case, a third class run;
-  in these two, what stops, kills or floods a runner, or probes its sandbox, is graded in a runner of its own;
-  the attacks judged case by case share one runner and sandbox (`grade_together`; a runner start is ~2 CPU s
-  of imports), in the kernel run with the honest solution graded last;
+  in these two, what stops, kills or floods a runner is graded in a runner of its own; the attacks of both
+  judged case by case share one runner and sandbox (`grade_together`; a runner start is ~2 CPU s of
+  imports), the honest solution graded last in it;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
   covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
   whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8), as one
@@ -132,35 +132,37 @@ def _grade_everything(tmp_path_factory, labs):
 
     def attack_run():
         # what kills a runner (route 4) or floods its log (route 7), with the broken files, as a class run,
-        # reports written; the other routes, judged case by case, in one runner and sandbox (see kernel_run)
-        the_lab = lab("01_collectives", ["reduce_scatter, 2 ranks"])
-        attacks = mk.attacks(os.getpid(), listener.getsockname()[1])
-        mk.write({**{name: attacks.pop(name) for name in mk.ATTACKS_ALONE}, **mk.malformed()}, folder / "attacks")
-        paths = mk.write(attacks, folder / "attacks_shared")
-        together = grade_together([(the_lab, paths[name]) for name in attacks], opts=opts)
-        return grade(the_lab, [folder / "attacks"], out=folder / "attack_grades", jobs=2, opts=opts) + together
+        # reports written; the other routes are graded in kernel_run's shared runner
+        mk.write({**{name: routes[name] for name in mk.ATTACKS_ALONE}, **mk.malformed()}, folder / "attacks")
+        return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "attacks"],
+                     out=folder / "attack_grades", jobs=2, opts=opts)
 
     def kernel_run():
         # issue 28: every kernel and DoS attack, the honest solution beside them; the result cap is set low, so
-        # a 6 MiB-per-rank answer overflows it (honest results are kilobytes). What stops or probes a runner
-        # (the overflow, the sandbox's walls) is a class run of its own, reports written; every attack judged
-        # case by case shares one runner and sandbox (a runner start is ~2 CPU s of imports), the honest
-        # solution graded last in it: nothing an attack did there outlives its own case.
+        # a 6 MiB-per-rank answer overflows it (honest results are kilobytes). What stops its runner (the
+        # overflow) is a class run of its own, reports written; every attack judged case by case (issue 28's
+        # and issue 11's routes) shares one runner and sandbox (a runner start is ~2 CPU s of imports), the
+        # honest solution graded last in it: nothing an attack did there outlives its own case.
         kernel_opts = Options(sandbox=box, max_result_bytes=8 << 20)
         the_lab = lab("01_collectives", ["reduce_scatter, 2 ranks"])
         attacks = mk.kernel_attacks()
         alone = {name: attacks.pop(name) for name in mk.KERNEL_ALONE}
-        attacks["honest"] = attacks.pop("honest")
+        shared = {**{name: src for name, src in routes.items() if name not in mk.ATTACKS_ALONE}, **attacks}
+        shared["honest"] = shared.pop("honest")
         mk.write(alone, folder / "kernel")
-        paths = mk.write(attacks, folder / "kernel_shared")
+        paths = mk.write(shared, folder / "shared")
         # the busy loop is stopped at its case's livelock bound, here lowered from the notebook's (at least 6 CPU s
         # per rank, recorded by `prepare`: test_a_busy_loop_...) to BUSY_CAP_S: the same path, 8 CPU s less
         caps["prepared"] = dict(the_lab.work_caps)
         busy = dataclasses.replace(the_lab, work_caps={key: BUSY_CAP_S for key in the_lab.work_caps})
-        together = grade_together([(busy if name == "busy_loop" else the_lab, paths[name]) for name in attacks],
+        together = grade_together([(busy if name == "busy_loop" else the_lab, paths[name]) for name in shared],
                                   opts=kernel_opts)
-        return grade(the_lab, [folder / "kernel"], out=folder / "kernel_grades", jobs=2, opts=kernel_opts) + together
+        got = grade(the_lab, [folder / "kernel"], out=folder / "kernel_grades", jobs=2, opts=kernel_opts)
+        for name, r in zip(shared, together):
+            (extra if name in routes else got).append(r)
+        return got
 
+    routes, extra = mk.attacks(os.getpid(), listener.getsockname()[1]), []
     shipped, caps = {}, {}
 
     def prepared(name):
@@ -226,6 +228,8 @@ def _grade_everything(tmp_path_factory, labs):
     finally:
         listener.close()
     done.update(done.pop("course"))      # solutions, shortcut, predicted: their CPU s are shares of one runner's
+    if BWRAP:
+        done["attacks"] = done["attacks"] + extra      # the routes graded in kernel_run's shared runner
     leftover = [what for pid, what in _descendants().items() if pid not in before]
     flat = {key: list(got.values()) if isinstance(got, dict) else got for key, got in done.items()}
     results = [r for got in flat.values() for r in got]
@@ -456,7 +460,8 @@ def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_wr
                                              "not JSON (RecursionError)): not graded"), deep.note
     big = got["dos_oversized"]
     assert big.score == 0 and big.note == "its ranks sent more than 8 MiB of results: stopped at once, not graded"
-    assert max(r.seconds for r in got.values()) < 120          # nothing waited for a cap
+    # nothing waited for a case's 180 s cap: the runner alone, and the shared runner's whole time
+    assert max(got[name].seconds for name in mk.KERNEL_ALONE) < 120 and got["honest"].seconds < 180
     rows = list(csv.DictReader(open(out / "lines.csv")))     # the class run of those graded alone
     assert {Path(r["submission"]).stem for r in rows if r["check"] == "TOTAL"} == set(mk.KERNEL_ALONE)
     assert len(ET.parse(out / "junit.xml").getroot().findall("testsuite")) == len(mk.KERNEL_ALONE)
