@@ -102,8 +102,10 @@ def grade_together(hand_ins: list[tuple[ShippedLab, Path]], *, opts: Options | N
     """One hand-in's notebooks for several labs (`(lab, notebook)` pairs), graded by ONE runner in one
     sandbox, lab after lab: one interpreter start and one fork server instead of one per notebook (a
     learner checking every lab, a course's own solutions). Nothing else changes: every lab's cases, inputs,
-    audit and verdicts are its own. A Result per pair, in order; a notebook that cannot be read gets its one
-    line and the others are still graded. Only for notebooks of one author: they share one sandbox."""
+    audit and verdicts are its own (a lab may come more than once: each pair is judged on its own records). A
+    Result per pair, in order; a notebook that cannot be read gets its one line and the others are still graded.
+    Only for notebooks of one author: they share one sandbox (the test suite also grades its attacks so, each
+    judged case by case, an honest hand-in last)."""
     opts = opts or Options()
     results: dict[int, Result] = {}
     parts, where = [], []
