@@ -49,7 +49,7 @@ def test_simulated_bytes_equal_the_gloo_run(n):
 
 def test_a_zero3_that_never_frees_its_gathered_units_peaks_higher():
     leaky = answers("05_zero3", replace={"_free": "def _leak(self, unit):\n    pass\nZeRO3._free = _leak\n"})
-    config = sim.scale_config(1e9, n_layers=4)
+    config = sim.scale_config(1e9, n_layers=2)
     good = sim.simulate("zero3", config=config, world_size=64, classes=classes())
     bad = sim.simulate("zero3", config=config, world_size=64, classes={"ZeRO3": leaky.ZeRO3})
     # every unit stays gathered: the bf16 weights of the whole model (2 Psi) on top of the good peak
