@@ -122,3 +122,12 @@ def test_measured_and_theory_draws_a_line_and_dots_per_series():
     assert lines == {"theory, none": [2.0, 6.5], "measured, none": [2.0, 6.0],
                      "theory, full": [1.0, 2.0], "measured, full": [1.0, 2.0]}
     plt.close("all")
+
+
+def test_peak_over_rest_stacks_the_peak_on_the_resting_states():
+    ax = plots.peak_over_rest(["N = 1", "N = 2"], [8.0, 4.0], [14.0, 11.0], [8.0, 4.0], title="t", unit=1).axes[0]
+    bars = _bars(ax)
+    assert [p.get_height() for p in bars] == [8.0, 4.0, 6.0, 7.0]       # rest, then peak - rest on top
+    assert [p.get_y() for p in bars[2:]] == [8.0, 4.0]
+    assert list(ax.lines[0].get_ydata()) == [8.0, 4.0]
+    plt.close("all")

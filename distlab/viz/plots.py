@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import matplotlib.pyplot as plt
 
 from distlab.viz.curves import activation_growth, loss_curves, measured_and_theory, measured_curve  # noqa: F401 - lectures import them here
+from distlab.viz.peaks import peak_and_kept, peak_over_rest  # noqa: F401 - lectures import them here
 
 COMPONENT_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_state": "#55A868", "other": "#8C8C8C",
                     "total": "#C7C7C7"}  # "total": a prediction given without a split
@@ -211,23 +212,6 @@ def grouped_bars(groups: Mapping[str, Mapping[str, float]], *, ylabel: str, titl
     return fig
 
 
-
-def peak_and_kept(labels: Sequence[str], peaks: Sequence[float], kept: Sequence[float], *, title: str,
-                  line: tuple[float, str] | None = None, unit: float = MB) -> plt.Figure:
-    """Horizontal bars per run: what backward allocated at its peak (grey) with what stays after it drawn
-    over it (red); `line`: (bytes, label) of a theory level, e.g. one full gradient."""
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.barh(labels, [p / unit for p in peaks], color="#bbb", label="peak during backward (measured)")
-    ax.barh(labels, [k / unit for k in kept], color="#c64", label="gradient bytes kept (measured)")
-    if line is not None:
-        ax.axvline(line[0] / unit, color="k", ls="--", label=line[1])
-    ax.set_xlabel("MiB (rank 0)" if unit == MB else f"x{unit:g} bytes (rank 0)")
-    ax.set_xlim(left=0)
-    ax.invert_yaxis()
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return fig
 
 
 COLLECTIVE_COLORS = {"all_reduce": "#8ab", "reduce_scatter": "#2a7", "all_gather": "#6c9", "broadcast": "#c64"}
