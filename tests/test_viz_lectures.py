@@ -131,3 +131,11 @@ def test_peak_over_rest_stacks_the_peak_on_the_resting_states():
     assert [p.get_y() for p in bars[2:]] == [8.0, 4.0]
     assert list(ax.lines[0].get_ydata()) == [8.0, 4.0]
     plt.close("all")
+
+
+def test_paired_bars_leaves_out_a_missing_measurement_and_can_use_a_log_axis():
+    ax = plots.paired_bars(["a", "b"], [2.0, None], [2.5, 3.0], xlabel="kB", title="t", log=True).axes[0]
+    widths = [p.get_width() for p in ax.patches]
+    assert widths == [2.0, 0, 2.5, 3.0]                   # measured (b: none), then theory
+    assert ax.get_xscale() == "log"
+    plt.close("all")

@@ -156,17 +156,20 @@ def measured_vs_theory(xs: Sequence[float], measured: Sequence[float], theory: S
     return fig
 
 
-def paired_bars(labels: Sequence[str], measured: Sequence[float], theory: Sequence[float | None], *, xlabel: str,
-                title: str) -> plt.Figure:
-    """Horizontal bars, one pair per label: measured (solid) beside theory (hatched, left out where None).
-    Horizontal, so that long labels stay readable at any count without widening the figure."""
+def paired_bars(labels: Sequence[str], measured: Sequence[float | None], theory: Sequence[float | None], *,
+                xlabel: str, title: str, log: bool = False) -> plt.Figure:
+    """Horizontal bars, one pair per label: measured (solid) beside theory (hatched); either is left out where
+    None (a variant only theory describes). Horizontal, so that long labels stay readable at any count without
+    widening the figure; `log` for values that span orders of magnitude."""
     fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(labels) + 1.3))
     ys = range(len(labels))
-    ax.barh([y - 0.2 for y in ys], measured, 0.38, color="#4C72B0", label="measured")
+    ax.barh([y - 0.2 for y in ys], [m or 0 for m in measured], 0.38, color="#4C72B0", label="measured")
     ax.barh([y + 0.2 for y in ys], [t or 0 for t in theory], 0.38, color="white", edgecolor="black", hatch="//",
             label="theory")
     ax.set_yticks(list(ys), labels, fontsize=7)
     ax.invert_yaxis()
+    if log:
+        ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
