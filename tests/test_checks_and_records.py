@@ -182,3 +182,33 @@ def test_help_of_grade_lists_each_task_its_answers_and_its_lines():
     doc = grade.__doc__
     assert doc.startswith("grade(task, *answers): run a graded task on real ranks and print its verdicts.")
     assert "grade('all_gather', ring_all_gather)\n    all_gather, 2 ranks, values\n" in doc
+
+
+def test_a_notebook_run_by_hand_records_into_yours_and_the_tour_report_shows_it(tmp_path, monkeypatch):
+    # issue 34: a lab's "record for the tour" cell used to write to labs/results/, which the tour never read
+    from distlab.meters import records
+    from distlab.viz.report import build
+    monkeypatch.delenv("DISTLAB_RESULTS")
+    monkeypatch.setattr(records, "yours_dir", lambda: tmp_path / "yours")
+    rec = record("ring_ratio", world_size=4, bytes=2**22, ratio=0.61)
+    assert rec["source"] == "learner"
+    mine = load_records(tmp_path / "yours")
+    assert mine == {"ring_ratio": [{"world_size": 4, "bytes": 2**22, "ratio": 0.61, "source": "learner"}]}
+    monkeypatch.setenv("DISTLAB_RESULTS", str(tmp_path / "tour"))   # the tour's own runs are not "yours"
+    assert "source" not in record("ring_ratio", world_size=4, bytes=2**22, ratio=0.9)
+    summary = {"machine": {"device_count": 1, "device_kind": "cpu", "backend": "gloo", "torch_version": "x",
+                           "cpu_count": 2}, "mode": "quick",
+               "collectives": [{"op": "all_reduce", "impl": "library", "bytes": 2**22, "busbw_GBps": 1.0,
+                                "world_size": 4}],
+               "ring_ratio": load_records(tmp_path / "tour")["ring_ratio"], "yours": mine}
+    text = build(summary, []).markdown()
+    assert "Your ring all-reduce at 4 MiB: 0.61x the library's busbw on 4 ranks." in text
+    assert "The shipped solution's ring all-reduce at 4 MiB: 0.90x" in text
+    assert "## Yours: the notebooks you ran by hand" in text and "| 4 | 4,194,304 | 0.61 |" in text
+
+
+def test_notebooks_under_pytest_never_record_into_yours():
+    import os
+
+    from distlab.meters.records import results_dir, yours_dir
+    assert os.environ.get("DISTLAB_RESULTS") and results_dir() != yours_dir()

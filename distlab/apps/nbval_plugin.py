@@ -78,6 +78,11 @@ def pytest_ignore_collect(collection_path: Any, config: Any) -> Any:
 
 
 def pytest_configure(config: Any) -> None:
+    import os
+    # Notebooks that pytest runs record into a folder of their own, never into results/yours/, which
+    # holds what the learner ran by hand (distlab.meters.records); kernels inherit this variable.
+    if not os.environ.get("DISTLAB_RESULTS"):
+        os.environ["DISTLAB_RESULTS"] = config._distlab_results = tempfile.mkdtemp(prefix="distlab-pytest-results-")
     if config.getoption("--distlab-grade", None):
         if not config.known_args_namespace.noconftest:
             raise pytest.UsageError("--distlab-grade: a conftest.py may have been loaded (give the option on the "
@@ -92,6 +97,16 @@ def pytest_configure(config: Any) -> None:
         return
     if not getattr(nbval.kernel.start_new_kernel, "distlab_retries", False):
         nbval.kernel.start_new_kernel = retrying(nbval.kernel.start_new_kernel)
+
+
+def pytest_unconfigure(config: Any) -> None:
+    import os
+    import shutil
+    made = getattr(config, "_distlab_results", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        if os.environ.get("DISTLAB_RESULTS") == made:
+            del os.environ["DISTLAB_RESULTS"]
 
 
 def retrying(start: Any, tries: int = KERNEL_STARTS) -> Any:

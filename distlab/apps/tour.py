@@ -232,7 +232,7 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
     from distlab.bench.collectives import sweep
     from distlab.engine.machine import machine
     from distlab.engine.precision import bf16_speed_ratio
-    from distlab.meters.records import load_records
+    from distlab.meters.records import load_records, yours_dir
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.jsonl"):
@@ -281,6 +281,9 @@ def run_tour(out: Path, quick: bool = False, world_size: int | None = None, note
             bar.update(cells[path] - (bar.n - done_before))
     for section, rows in load_records(out).items():
         summary.setdefault(section, []).extend(rows)
+    mine = yours_dir()
+    if mine.is_dir() and mine.resolve() != out.resolve():
+        summary["yours"] = load_records(mine)   # the learner's own notebook runs, shown beside the tour's
     summary["notebooks"] = timings
     summary["failures"] = failures
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -13,8 +13,17 @@ from pathlib import Path
 from typing import Any
 
 
+def yours_dir() -> Path:
+    """Where records of notebooks run by hand go: the checkout's results/yours/ (an editable install, as the
+    README sets up), else ./results/yours."""
+    root = Path(__file__).resolve().parents[2]
+    base = root / "results" if (root / "notebooks").is_dir() else Path("results")
+    return base / "yours"
+
+
 def results_dir() -> Path:
-    return Path(os.environ.get("DISTLAB_RESULTS", "results"))
+    env = os.environ.get("DISTLAB_RESULTS")
+    return Path(env) if env else yours_dir()
 
 
 def _plain(value: Any) -> Any:
@@ -38,6 +47,8 @@ def record(section: str, **fields: Any) -> dict[str, Any]:
     if not section.isidentifier():
         raise ValueError(f"section must be a plain name like 'strategies', got {section!r}")
     rec = _plain(fields)
+    if not os.environ.get("DISTLAB_RESULTS"):
+        rec.setdefault("source", "learner")   # run by hand: the tour's report calls it "yours"
     path = results_dir() / f"{section}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:

@@ -197,7 +197,7 @@ def _collectives(report: Report, s: dict[str, Any]) -> None:
              f"bandwidth-bound; at {big / MiB:.0f} MiB the fastest here was {best['op']} at "
              f"{best['busbw_GBps']:.2f} GB/s.")
     report.table(["message"] + [f"{op} busbw GB/s" for op in ops], rows)
-    ring = s.get("ring_ratio", [])
+    ring = s.get("ring_ratio", []) + (s.get("yours") or {}).get("ring_ratio", [])
     if ring:           # "your" only where the record says it came from the learner's lab notebook
         whose = lambda r: "Your" if r.get("source") in ("lab", "learner") else "The shipped solution's"  # noqa: E731
         report.items([f"{whose(r)} ring all-reduce at {r['bytes'] / MiB:.0f} MiB: {r['ratio']:.2f}x the library's "
@@ -312,7 +312,22 @@ SECTIONS: dict[str, Callable[[Report, dict[str, Any]], None]] = {
 }
 # Records that are not a chapter section of their own.
 _HANDLED = {"machine", "mode", "launcher", "notebooks", "collectives", "ring_ratio", "strategies", "races",
-            "choices", "failures"}
+            "choices", "failures", "yours"}
+
+
+def _yours(report: Report, s: dict[str, Any]) -> None:
+    """What the learner's own notebook runs recorded (results/yours/), a table per section."""
+    yours = {k: v for k, v in (s.get("yours") or {}).items() if v}
+    if not yours:
+        return
+    report.h(2, "Yours: the notebooks you ran by hand")
+    report.p("Records your own runs of the labs and lectures wrote to results/yours/, oldest first. The tour "
+             "never writes there; delete the folder to start afresh.")
+    for section, rows in yours.items():
+        report.h(3, f"{TITLES.get(section, (99, section.replace('_', ' '), ''))[1]} ({len(rows)} record"
+                    f"{'s' if len(rows) != 1 else ''})")
+        keys = [k for k in rows[-1] if not isinstance(rows[-1][k], (dict, list)) and k != "source"][:8]
+        report.table(keys, [[r.get(k, "") for k in keys] for r in rows[-10:]])
 
 
 def build(summary: dict[str, Any], figures: list[str]) -> Report:
@@ -349,6 +364,7 @@ def build(summary: dict[str, Any], figures: list[str]) -> Report:
     order = list(TITLES)
     for section, rows in sorted(rest, key=lambda kv: (order.index(kv[0]) if kv[0] in TITLES else len(order), kv[0])):
         _generic(r, section, rows)
+    _yours(r, summary)
     if figures:
         r.h(2, "Figures")
         for f in figures:
