@@ -223,7 +223,9 @@ def gpu_nodes() -> list[str]:
 def _env(home: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or (k.startswith("DISTLAB_") and k != TOKEN_VAR
                                                                       and k != "DISTLAB_RESULTS")}
-    env.update(HOME=home, TMPDIR=home, PATH="/usr/local/bin:/usr/bin:/bin", MPLBACKEND="Agg",
+    # a `record(...)` in an answer cell writes into the sandbox's own home, never the course checkout
+    env.update(HOME=home, TMPDIR=home, DISTLAB_RESULTS=os.path.join(home, "results"),
+               PATH="/usr/local/bin:/usr/bin:/bin", MPLBACKEND="Agg",
                TORCH_CPP_LOG_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=home)
     return env
 
