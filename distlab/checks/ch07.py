@@ -35,7 +35,7 @@ from distlab.course.tensor_parallel.model import build_tp_model
 
 from distlab.checks.ch07_common import (  # noqa: F401 - PRELUDE and the constants are part of this module's API
     ATOL, B, CFG, COL, E, HANG_HINT, PRELUDE, ROW, RTOL, STEPS, TRAIN_ATOL, TRAIN_RTOL, all_reduce_of, block,
-    comm_of, expect_traffic, half_of, make_optimizer, randn, same, shard_of, values_line)
+    comm_of, expect_traffic, half_of, make_optimizer, metered_pair, randn, same, shard_of, values_line)
 
 
 # ---- Task 1: f and g --------------------------------------------------------------------------------
@@ -61,30 +61,15 @@ class FG(Task):
         return {k: randn(*shape, seed=100 * i + r) for i, k in enumerate(self.KEYS)}
 
     def exercise(self, case: Case, f: Any, g: Any, inputs: dict | None = None) -> dict:
-        r, n, dev = distlab.rank(), distlab.world_size(), distlab.device()
+        r, n = distlab.rank(), distlab.world_size()
         mine = self._fixed(r) if inputs is None else inputs
         group = None
         if case.args["groups"] > 1:
             size = n // case.args["groups"]
             groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]
             group = groups[r // size]
-        out: dict[str, Any] = {}
-        distlab.engine.runtime.progress("f (CopyToTP): forward, then backward")
-        x = mine["f_x"].to(dev).requires_grad_()
-        with track_comm() as fwd:
-            y = f.apply(x, group)
-        with track_comm() as bwd:
-            y.backward(mine["f_dy"].to(dev))
-        out["f"] = {"out": y.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
-        distlab.engine.runtime.progress("g (ReduceFromTP): forward, then backward")
-        x = mine["g_x"].to(dev).requires_grad_()
-        x_in = x * 1.0        # not a leaf: an in-place all-reduce on the input is allowed
-        with track_comm() as fwd:
-            z = g.apply(x_in, group)
-        with track_comm() as bwd:
-            z.backward(mine["g_dz"].to(dev))
-        out["g"] = {"out": z.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
-        return out
+        return {"f": metered_pair(f, mine["f_x"], mine["f_dy"], group, "f (CopyToTP)"),
+                "g": metered_pair(g, mine["g_x"], mine["g_dz"], group, "g (ReduceFromTP)")}
 
     def reference(self, case: Case, inputs: list | None = None) -> dict:
         n = case.world_size

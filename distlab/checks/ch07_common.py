@@ -120,3 +120,21 @@ def same(mine: Any, want: torch.Tensor, what: str, atol: float = ATOL, rtol: flo
     if mine is None:
         raise CheckFailed(f"{what} is missing (None)")
     compare(mine, want, atol=atol, rtol=rtol, what=what)
+
+
+def metered_pair(op: Any, x: torch.Tensor, grad: torch.Tensor, group: Any, what: str) -> dict[str, Any]:
+    """One autograd operator of a pair (f or g, GatherFromSP or ReduceScatterToSP): `op.apply(x, group)`
+    forward, then backward with `grad` on its output, each under its own comm meter. Returns its output,
+    the input's gradient and what crossed the wire in each pass. `x` goes in as a non-leaf copy, so an
+    operator may all-reduce its input in place."""
+    import distlab
+    from distlab.meters import track_comm
+    dev = distlab.device()
+    distlab.engine.runtime.progress(f"{what}: forward, then backward")
+    leaf = x.to(dev).requires_grad_()
+    with track_comm() as fwd:
+        y = op.apply(leaf * 1.0, group)
+    with track_comm() as bwd:
+        y.backward(grad.to(dev))
+    return {"out": y.detach().clone(), "grad": leaf.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
+

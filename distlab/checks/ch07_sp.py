@@ -8,7 +8,8 @@ import torch
 
 import distlab
 from distlab.checks.ch07_common import (ATOL, B, CFG, HANG_HINT, STEPS, TRAIN_ATOL, TRAIN_RTOL, all_reduce_of, block,
-                                        expect_traffic, half_of, make_optimizer, randn, same, shard_of, values_line)
+                                        expect_traffic, half_of, make_optimizer, metered_pair, randn, same, shard_of,
+                                        values_line)
 from distlab.checks.task import Case, Line, Task, judged
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.meters import track_comm
@@ -37,24 +38,10 @@ class SPOpsTask(Task):
                 else randn(*SHAPE, seed=100 * i + r) for i, k in enumerate(self.KEYS)}
 
     def exercise(self, case: Case, gather: Any, scatter: Any, inputs: dict | None = None) -> dict:
-        r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
+        r, t = distlab.rank(), distlab.world_size()
         mine = self._fixed(r, t) if inputs is None else inputs
-        out: dict[str, Any] = {}
-        distlab.engine.runtime.progress("GatherFromSP: forward, then backward")
-        x = mine["g_x"].to(dev).requires_grad_()
-        with track_comm() as fwd:
-            y = gather.apply(x, None)
-        with track_comm() as bwd:
-            y.backward(mine["g_dy"].to(dev))
-        out["gather"] = {"out": y.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
-        distlab.engine.runtime.progress("ReduceScatterToSP: forward, then backward")
-        x = mine["s_x"].to(dev).requires_grad_()
-        with track_comm() as fwd:
-            z = scatter.apply(x * 1.0, None)
-        with track_comm() as bwd:
-            z.backward(mine["s_dz"].to(dev))
-        out["scatter"] = {"out": z.detach().clone(), "grad": x.grad, "fwd": fwd.stats(), "bwd": bwd.stats()}
-        return out
+        return {"gather": metered_pair(gather, mine["g_x"], mine["g_dy"], None, "GatherFromSP"),
+                "scatter": metered_pair(scatter, mine["s_x"], mine["s_dz"], None, "ReduceScatterToSP")}
 
     def reference(self, case: Case, inputs: list | None = None) -> dict:
         t = case.world_size
