@@ -12,7 +12,7 @@ from distlab.course.training import (ShardedLoader, TrainConfig, corpus, global_
                                      train)
 from distlab.course.training import checkpoint as ckpt
 from distlab.course.training.corpus import VAL_EVERY, is_validation, stdlib_root
-from distlab.course.training.strategies import check_strategy
+from distlab.course.training.strategies import check_strategy, data_ranks
 
 TINY = dict(max_bytes=200_000, batch_size=8, seq_len=32, d_model=32, n_heads=2)
 
@@ -67,6 +67,11 @@ def test_bad_strategy_and_world_size_are_refused():
         check_strategy("single", 2)
     with pytest.raises(ValueError, match="ZeRO3"):
         check_strategy("zero3", 2)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        check_strategy("dp_tp", 3)
+    with pytest.raises(ValueError, match="divides 2"):
+        check_strategy("tp", 4, n_heads=2)
+    assert data_ranks("dp_tp", 4, 3) == (1, 2) and data_ranks("tp", 2, 1) == (0, 1) and data_ranks("ddp", 2, 1) == (1, 2)
 
 
 def test_one_process_resumes_bit_exact_and_refuses_a_foreign_checkpoint(tmp_path):
@@ -85,15 +90,16 @@ def test_one_process_resumes_bit_exact_and_refuses_a_foreign_checkpoint(tmp_path
     assert torch.equal(torch.get_rng_state(), saved) and not torch.equal(saved, expected_rng)   # RNG came back
 
 
-def test_killed_rank_then_resume_on_fewer_ranks_continues_the_curve(tmp_path, no_orphans):
+def test_killed_rank_then_resume_on_fewer_ranks_and_on_a_mesh_continues_the_curve(tmp_path, no_orphans):
     cfg = dict(steps=6, ckpt_dir=str(tmp_path), ckpt_every=3, **TINY)
     full = train(TrainConfig(steps=6, **TINY))
     with pytest.raises(distlab.RankFailed, match="-9"):
         distlab.launch(train, 2, args=(TrainConfig(strategy="fsdp2", kill=(1, 4), **cfg),))
     assert ckpt.latest(tmp_path).name == "step_000003"
-    resumed = train(TrainConfig(strategy="single", resume=True, **{**cfg, "ckpt_every": 0}))
-    assert resumed.resumed_from == 3
-    assert max(abs(a - b) for a, b in zip(resumed.loss, full.loss)) < 1e-5
+    # the fully_shard checkpoint resharded onto a 1 x 2 (dp x tp) mesh: parallelize_module, then fully_shard
+    meshed = distlab.launch(train, 2, args=(TrainConfig(strategy="dp_tp", resume=True, **{**cfg, "ckpt_every": 0}),))
+    assert meshed[0].resumed_from == 3 and meshed[0].loss == meshed[1].loss    # both tp ranks log one loss
+    assert max(abs(a - b) for a, b in zip(meshed[0].loss, full.loss)) < 1e-5
 
 
 def test_accumulation_and_recomputation_do_not_change_the_curve():

@@ -62,19 +62,21 @@ def config(args: argparse.Namespace) -> Any:
 
 def validate(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, in a learner's words (None: nothing)."""
-    from distlab.course.training import check_strategy
+    from distlab.course.training import check_strategy, data_ranks
     from distlab.course.training.loop import foreign, _identity
     from distlab.course.training import checkpoint as ckpt
+    cfg = config(args)
     try:
-        check_strategy(args.strategy, args.world_size, {"ShardedOptimizer": 0, "ZeRO2": 0, "ZeRO3": 0})
+        check_strategy(args.strategy, args.world_size, {"ShardedOptimizer": 0, "ZeRO2": 0, "ZeRO3": 0}, tp=cfg.tp,
+                       n_heads=cfg.n_heads)
     except ValueError as exc:
         return str(exc)
-    cfg = config(args)
-    if cfg.batch_size % args.world_size:
+    dp = data_ranks(args.strategy, args.world_size, 0, cfg.tp)[1]      # the ranks that split the batch
+    if cfg.batch_size % dp:
         return (f"the global batch of {cfg.batch_size} rows (preset {args.preset}) does not split over "
-                f"{args.world_size} ranks: use a world size that divides {cfg.batch_size}")
-    if args.steps < 1 or args.accumulate < 1 or (cfg.batch_size // args.world_size) % args.accumulate:
-        return f"--steps must be >= 1 and --accumulate must divide each rank's {cfg.batch_size // args.world_size} rows"
+                f"{dp} ranks (the data-parallel ones): use a world size that divides {cfg.batch_size}")
+    if args.steps < 1 or args.accumulate < 1 or (cfg.batch_size // dp) % args.accumulate:
+        return f"--steps must be >= 1 and --accumulate must divide each rank's {cfg.batch_size // dp} rows"
     if args.resume:
         path = ckpt.latest(cfg.ckpt_dir)
         if path is None:

@@ -11,8 +11,9 @@ then renamed), loop (`train`, on every rank).
 """
 from distlab.course.training.corpus import ByteTokenizer, Corpus, corpus, stdlib_files
 from distlab.course.training.loader import ShardedLoader, global_rows, rank_rows, windows
-from distlab.course.training.loop import Run, TrainConfig, foreign, train
-from distlab.course.training.strategies import STRATEGIES, check_strategy, wrap
+from distlab.course.training.loop import Run, TrainConfig, foreign, train, training_step
+from distlab.course.training.strategies import STRATEGIES, check_strategy, data_ranks, wrap
 
 __all__ = ["ByteTokenizer", "Corpus", "corpus", "stdlib_files", "ShardedLoader", "global_rows", "rank_rows",
-           "windows", "Run", "TrainConfig", "foreign", "train", "STRATEGIES", "check_strategy", "wrap"]
+           "windows", "Run", "TrainConfig", "foreign", "train", "training_step", "STRATEGIES", "check_strategy",
+           "data_ranks", "wrap"]

@@ -7,7 +7,9 @@
 Every rank builds the same course GPT (vocabulary 256: bytes), reads its slice of each global batch of
 B windows of T tokens from the stdlib corpus (`ShardedLoader`), and trains with the strategy `wrap` builds.
 The loss logged is the global batch's: each rank's mean over its rows, averaged over ranks (one all-reduce
-of a scalar per step; equal rows per rank make it the mean over all B·T tokens).
+of a scalar per step; equal rows per rank make it the mean over all B·T tokens). Under `tp` and `dp_tp` the
+ranks of one tensor-parallel group read the same rows and log the same loss, so the mean is unchanged.
+`step_fn` (default `training_step`) is the step itself: the lecture passes its own, the same code.
 
 Switches: `accumulate=k` splits each rank's rows into k micro-batches and communicates only in the last
 backward (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`); `recompute=True` recomputes each block's
@@ -33,7 +35,7 @@ from distlab.course.models import GPTConfig, build_model, lm_loss
 from distlab.course.training import checkpoint as ckpt
 from distlab.course.training.corpus import VOCAB, corpus
 from distlab.course.training.loader import ShardedLoader, validation_rows, windows
-from distlab.course.training.strategies import recompute_blocks, wrap
+from distlab.course.training.strategies import data_ranks, recompute_blocks, wrap
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class TrainConfig:
     kill: tuple[int, int] | None = None   # (rank, step): that rank SIGKILLs itself at the start of that step
     accumulate: int = 1
     recompute: bool = False
+    tp: int = 2                   # the tensor-parallel size of strategy "dp_tp" (the mesh is world/tp x tp)
     profile_dir: str | None = None
 
     def model_config(self) -> GPTConfig:
@@ -94,6 +97,7 @@ def _mean_over_ranks(x: torch.Tensor) -> float:
 
 
 def _validate(module: Any, tokens: torch.Tensor, cfg: TrainConfig, rank: int, n: int, device: Any) -> float:
+    """The validation loss: rank `rank` of `n` data-parallel ranks evaluates its rows of fixed batches."""
     per = cfg.batch_size // n
     total = torch.zeros((), device=device)
     with torch.no_grad():
@@ -117,8 +121,26 @@ def foreign(meta: dict[str, Any], mine: dict[str, Any]) -> str | None:
     return None
 
 
-def train(cfg: TrainConfig, classes: dict[str, Any] | None = None) -> Run:
-    """Train on every rank (or in one process); see the module's docstring."""
+def training_step(module: Any, opt: Any, sync_grads: Any, x: torch.Tensor, y: torch.Tensor, accumulate: int
+                  ) -> torch.Tensor:
+    """One step on this rank's rows: forward, loss, backward (k micro-batches, the strategy's gradient
+    reduction in the last one only), the optimizer's step. Returns this rank's mean loss (a 0-d tensor)."""
+    total = torch.zeros((), device=x.device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+        if accumulate > 1:
+            sync_grads(i == accumulate - 1)     # communicate in the last micro-batch's backward only
+        loss = lm_loss(module, xm, ym) / accumulate
+        loss.backward()
+        total += loss.detach()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def train(cfg: TrainConfig, classes: dict[str, Any] | None = None, step_fn: Any = None) -> Run:
+    """Train on every rank (or in one process); see the module's docstring. `step_fn(module, opt,
+    sync_grads, x, y, accumulate)` runs one step and returns the rank's loss (default `training_step`)."""
+    step_fn = training_step if step_fn is None else step_fn
     from distlab.engine import runtime as rt
     from distlab.meters.timing import sync
     n, r, device = rt.world_size(), rt.rank(), rt.device()
@@ -127,15 +149,16 @@ def train(cfg: TrainConfig, classes: dict[str, Any] | None = None) -> Run:
     path = ckpt.latest(cfg.ckpt_dir) if cfg.resume and cfg.ckpt_dir else None
     if path is not None and (why := foreign(ckpt.read_meta(path), mine)):
         raise ValueError(f"cannot resume from {path}: {why}. Use another --out folder, or the same settings")
-    if cfg.accumulate < 1 or (cfg.batch_size // n) % cfg.accumulate:
-        raise ValueError(f"accumulate={cfg.accumulate} must divide each rank's {cfg.batch_size // n} rows")
+    dp_rank, dp = data_ranks(cfg.strategy, n, r, cfg.tp)     # tensor-parallel ranks read the same rows
+    if cfg.accumulate < 1 or (cfg.batch_size // dp) % cfg.accumulate:
+        raise ValueError(f"accumulate={cfg.accumulate} must divide each rank's {cfg.batch_size // dp} rows")
     model = build_model(cfg.model_config(), seed=cfg.seed, device=device)
     if cfg.recompute:
         recompute_blocks(model)
-    module, opt, sync_grads = wrap(cfg.strategy, model, lr=cfg.lr, classes=classes)
+    module, opt, sync_grads = wrap(cfg.strategy, model, lr=cfg.lr, classes=classes, tp=cfg.tp)
     if cfg.accumulate > 1 and sync_grads is None:
         raise ValueError(f"strategy {cfg.strategy!r} cannot skip its gradient reduction: use accumulate=1")
-    loader = ShardedLoader(text.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r, world_size=n,
+    loader = ShardedLoader(text.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=dp_rank, world_size=dp,
                            seed=cfg.seed, device=device)
     run = Run(cfg.strategy, n, tokens_per_step=cfg.batch_size * cfg.seq_len, corpus=text.fingerprint)
     if path is not None:
@@ -152,15 +175,7 @@ def train(cfg: TrainConfig, classes: dict[str, Any] | None = None) -> Run:
         sync(device)
         start = time.perf_counter()
         x, y = next(loader)
-        total = torch.zeros((), device=device)
-        for i, (xm, ym) in enumerate(zip(x.chunk(cfg.accumulate), y.chunk(cfg.accumulate))):
-            if sync_grads is not None and cfg.accumulate > 1:
-                sync_grads(i == cfg.accumulate - 1)     # communicate in the last micro-batch's backward only
-            loss = lm_loss(module, xm, ym) / cfg.accumulate
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        total = step_fn(module, opt, sync_grads, x, y, cfg.accumulate)
         sync(device)
         run.step_s.append(time.perf_counter() - start)
         run.steps.append(step)
@@ -168,7 +183,7 @@ def train(cfg: TrainConfig, classes: dict[str, Any] | None = None) -> Run:
         if prof is not None:
             prof.step()
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            run.val.append((step + 1, _validate(module, text.val, cfg, r, n, device)))
+            run.val.append((step + 1, _validate(module, text.val, cfg, dp_rank, dp, device)))
         if cfg.ckpt_dir and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
             ckpt.save(cfg.ckpt_dir, step + 1, module, opt,
                       {**mine, "strategy": cfg.strategy, "world_size": n, "loader": loader.state_dict(),

@@ -5,7 +5,10 @@
 
 `single` is one process; `ddp` PyTorch's DistributedDataParallel; `fsdp2` `fully_shard` per block and root
 (chapter 6); `zero1`, `zero2`, `zero3` the labs' `ShardedOptimizer`, `ZeRO2`, `ZeRO3` (chapters 3-5), passed
-in `classes` (from a learner's notebook or the solutions: `distlab.apps.simulate.lab_class`). All train fp32
+in `classes` (from a learner's notebook or the solutions: `distlab.apps.simulate.lab_class`); `tp` PyTorch's
+tensor parallelism (`parallelize_module`, chapter 7) over every rank; `dp_tp` a 2-D DeviceMesh (dp x tp):
+`parallelize_module` over "tp", then `fully_shard` over "dp". Under `tp` every rank reads the whole batch;
+under `dp_tp` the ranks of one tp group read the same rows (`data_ranks`). All train fp32
 weights with AdamW (lr, betas, weight decay the same everywhere), so every data-parallel strategy computes
 the same update as one process up to the order of floating-point additions.
 
@@ -14,18 +17,32 @@ the last micro-batch's backward communicates); None when the strategy cannot ski
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")
+STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "tp", "dp_tp")
 NEEDS_CLASS = {"zero1": ("03_zero1", "ShardedOptimizer"), "zero2": ("04_zero2", "ZeRO2"),
                "zero3": ("05_zero3", "ZeRO3")}
 BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
 
 
-def check_strategy(name: str, world_size: int, classes: dict[str, Any] | None = None) -> None:
+def tp_size(name: str, world_size: int, tp: int = 2) -> int:
+    """How many ranks split each layer: every rank under `tp`, `tp` under `dp_tp`, none otherwise."""
+    return world_size if name == "tp" else tp if name == "dp_tp" else 1
+
+
+def data_ranks(name: str, world_size: int, rank: int, tp: int = 2) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size): the loader's `rank` and `world_size`.
+    The 2-D mesh is row-major, rank = dp_rank * tp + tp_rank, so the ranks of one tp group are neighbours."""
+    t = tp_size(name, world_size, tp)
+    return rank // t, world_size // t
+
+
+def check_strategy(name: str, world_size: int, classes: dict[str, Any] | None = None, *, tp: int = 2,
+                   n_heads: int | None = None) -> None:
     """Raise ValueError, in a learner's words, unless `name` can run on `world_size` ranks."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
@@ -33,6 +50,13 @@ def check_strategy(name: str, world_size: int, classes: dict[str, Any] | None = 
         raise ValueError(f"strategy 'single' is one process: use world size 1, not {world_size}")
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, got {world_size}")
+    if name == "dp_tp" and (tp < 1 or world_size % tp):
+        raise ValueError(f"strategy 'dp_tp' lays {world_size} ranks out as dp x tp with tp = {tp}: use a world size "
+                         f"that is a multiple of {tp} (or another tp)")
+    t = tp_size(name, world_size, tp)
+    if n_heads is not None and n_heads % t:
+        raise ValueError(f"strategy {name!r} splits each layer's {n_heads} attention heads over {t} ranks: use a "
+                         f"tensor-parallel size that divides {n_heads}")
     if name in NEEDS_CLASS and NEEDS_CLASS[name][1] not in (classes or {}):
         lab, cls = NEEDS_CLASS[name]
         raise ValueError(f"strategy {name!r} runs lab {lab}'s {cls} class: pass classes={{'{cls}': {cls}}} "
@@ -43,12 +67,12 @@ def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
 
 
-def wrap(name: str, model: nn.Module, *, lr: float, classes: dict[str, Any] | None = None
+def wrap(name: str, model: nn.Module, *, lr: float, classes: dict[str, Any] | None = None, tp: int = 2
          ) -> tuple[nn.Module, Any, Callable[[bool], Any] | None]:
     """(what forward runs, what `step()` / `zero_grad()` are called on, the gradient-sync switch)."""
     import torch.distributed as dist
     n = dist.get_world_size() if dist.is_initialized() else 1
-    check_strategy(name, n, classes)
+    check_strategy(name, n, classes, tp=tp, n_heads=model.config.n_heads)
     if name == "single":
         return model, adamw(model.parameters(), lr), lambda on: None
     if name == "ddp":
@@ -72,6 +96,19 @@ def wrap(name: str, model: nn.Module, *, lr: float, classes: dict[str, Any] | No
             fully_shard(block, mesh=m)
         fully_shard(model, mesh=m)
         return model, adamw(model.parameters(), lr), lambda on: model.set_requires_gradient_sync(on)
+    if name == "tp":
+        from distlab.engine.runtime import mesh
+        tensor_parallel_blocks(model, mesh())
+        return model, adamw(model.parameters(), lr), lambda on: None   # nothing to skip: no gradient reduction
+    if name == "dp_tp":
+        from torch.distributed.fsdp import fully_shard
+        from distlab.engine.runtime import mesh
+        m = mesh(n // tp, tp, names=("dp", "tp"))
+        tensor_parallel_blocks(model, m["tp"])          # first split each layer over the tp group ...
+        for block in model.blocks:
+            fully_shard(block, mesh=m["dp"])            # ... then shard those pieces over the dp group
+        fully_shard(model, mesh=m["dp"])
+        return model, adamw(model.parameters(), lr), lambda on: model.set_requires_gradient_sync(on)
     cls = classes[NEEDS_CLASS[name][1]]   # type: ignore[index]
     if name == "zero1":
         return model, cls(model.parameters(), torch.optim.AdamW, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY), None
@@ -89,3 +126,47 @@ def recompute_blocks(model: nn.Module) -> None:
     for block in model.blocks:
         plain = block.forward
         block.forward = lambda x, f=plain: checkpoint(f, x, use_reentrant=False)
+
+
+def tensor_parallel_blocks(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Megatron's cut of every block with `parallelize_module` (chapter 7), for the course GPT's fused QKV.
+
+    The MLP is the textbook pair: `fc` column-wise (each rank a slice of the 4d hidden units), `out` row-wise
+    (partial sums, one all-reduce of the (B, T, d) output). Attention's Q, K and V live in one (3d, d) matrix,
+    and a contiguous column-wise shard of it would give rank 0 all of Q and half of K: not whole heads. So
+    `qkv` is column-wise for its weight (each rank stores and multiplies 3d/tp rows) but its output is
+    all-gathered (`Replicate`), each rank attends with its own n_heads/tp heads, and `proj` is row-wise over
+    those heads. In backward each rank's gradient of the gathered output is non-zero only in its heads'
+    columns (a `Partial` sum), which a reduce-scatter turns back into each rank's shard. The embeddings,
+    LayerNorms and head stay whole on every rank; their gradients agree because every input gradient that
+    reaches them has been all-reduced. Parameter names and global shapes do not change: a checkpoint saved by
+    one strategy loads under another.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"qkv": ColwiseParallel(output_layouts=Replicate(), use_local_output=False), "proj": RowwiseParallel(),
+            "fc": ColwiseParallel(), "out": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+        forward = functools.partial(_tp_block_forward, block, tp_mesh.size(), tp_mesh.get_local_rank())
+        if "forward" in vars(block):      # `recompute_blocks` came first: recompute this forward instead
+            from torch.utils.checkpoint import checkpoint
+            forward = functools.partial(checkpoint, forward, use_reentrant=False)
+        block.forward = forward
+    return model
+
+
+def _tp_block_forward(block: nn.Module, tp: int, r: int, x: torch.Tensor) -> torch.Tensor:
+    """The course Block's forward on this rank's heads (see `tensor_parallel_blocks`)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Partial
+    from distlab.engine.precision import compute_dtype
+    x = x.to(compute_dtype(x.dtype, x.device))
+    b, t, d = x.shape
+    h, hd = block.n_heads // tp, d // block.n_heads
+    # every head's q, k, v (all-gathered); its gradient comes back as a partial sum over the tp ranks
+    qkv = block.qkv(block.ln1(x)).to_local(grad_placements=(Partial(),))
+    q, k, v = (z.view(b, t, block.n_heads, hd)[:, :, r * h:(r + 1) * h].transpose(1, 2) for z in qkv.split(d, dim=2))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + block.proj(a.transpose(1, 2).reshape(b, t, h * hd))       # row-wise: all-reduce of (B, T, d)
+    return x + block.out(F.gelu(block.fc(block.ln2(x))))               # column- then row-wise: one all-reduce
