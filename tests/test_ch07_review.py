@@ -35,10 +35,12 @@ def test_gathered_column_parallel_output_all_gathers():
     """Measured on 2 gloo ranks: ColwiseParallel(output_layouts=Replicate()) all-gathers its output forward and
     all-reduces its input gradient backward, each at the closed form's bytes."""
     import distlab
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
     from distlab.course.tensor_parallel.measure import colwise_gathered
     from distlab.course.tensor_parallel.model import TP_PRESETS
     cfg, b, t = TP_PRESETS["tp-small"], 2, 2
-    out = distlab.launch(colwise_gathered, t, args=(b, "tp-small"))
+    out = distlab.launch(colwise_gathered, t, args=(ColwiseParallel(output_layouts=Replicate()), b, "tp-small"))
     for o in out:
         assert dict(o["fwd"].calls) == {"all_gather": 1}
         assert o["fwd"].total_bytes == th.column_gather_bytes(b * cfg.seq_len, 4 * cfg.d_model, t, bytes_per_element=4)
@@ -76,8 +78,10 @@ def test_dropout_rng_under_tp_one_seed_for_replicas_one_per_rank_inside():
     keeps it but draws the same attention masks on every rank's heads; the TP-region RNG gives both."""
     import distlab
     from distlab.course.tensor_parallel.dropout_rng import agreement, dropout_rng_runs
+    from test_ch07_ratios import lecture_tp
+    tp = lecture_tp()                     # the lecture's plan: the same cut the lecture measures
     modes = ("seed per rank", "one seed", "one seed + TP-region RNG")
-    r0, r1 = distlab.launch(dropout_rng_runs, 2, args=("tp-small", 2, modes))
+    r0, r1 = distlab.launch(dropout_rng_runs, 2, args=(tp.parallelize, tp.my_tokens, tp.TPRegionRNG, "tp-small", 2, modes))
     independent = 1 - 2 * 0.1 * 0.9
     per_rank, one, tracker = ((r0[m], r1[m]) for m in modes)
     assert (per_rank[0]["out"] - per_rank[1]["out"]).abs().max() > 0.1

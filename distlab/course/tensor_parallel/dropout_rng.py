@@ -5,58 +5,26 @@ must draw the same mask on every rank (one seed), or the replicas stop being rep
 each rank holds *different* things (its a/t heads, its 4h/t features), and under SP its own S/t tokens: a
 dropout there must draw independent masks (a seed per rank), or every rank drops the same positions of its
 heads or tokens — correlated dropout, not the model's. Megatron-LM keeps two generator states and switches
-to the per-rank one inside the TP region (its "model-parallel RNG tracker"); `TPRegionRNG` is that, in
-miniature, for the attention modules of chapter 7's model.
+to the per-rank one inside the TP region (its "model-parallel RNG tracker"); the lecture writes that in
+miniature (`TPRegionRNG`) and passes it in as `tracker`, for the attention modules of chapter 7's model.
 
-    out = distlab.launch(dropout_rng_runs, 2, args=("tp-small", 2))      # every mode; each rank returns its raw masks
+    out = distlab.launch(dropout_rng_runs, 2, args=(parallelize, my_tokens, TPRegionRNG, "tp-small", 2))
+
+`parallelize(model, tp_mesh, sp=False)`, `my_tokens(x, tp_mesh)` and `TPRegionRNG(modules, seed, rank, device)`
+are the lecture's (its TP / SP plan, its slice of the sequence, its RNG tracker); each rank returns its raw
+masks, every mode in one launch.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distlab.course.tensor_parallel.model import TP_PRESETS, build_stack, parallelize_blocks
+from distlab.course.tensor_parallel.model import TP_PRESETS, build_stack
 from distlab.engine import runtime as rt
 
 MODES = ("seed per rank", "one seed", "one seed + TP-region RNG", "SP, one seed", "SP, seed per rank")
-
-
-def _get_state(dev: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
-
-
-def _set_state(dev: torch.device, state: torch.Tensor) -> None:
-    if dev.type == "cuda":
-        torch.cuda.set_rng_state(state, dev)
-    else:
-        torch.set_rng_state(state)
-
-
-class TPRegionRNG:
-    """A second generator state, seeded `seed + 1 + rank`, entered around each module of `modules` (forward
-    pre-hook: park the default state, load this one; forward hook: keep this one, restore the default). The
-    default generator, seeded `seed` on every rank, serves the replicated region."""
-
-    def __init__(self, modules: list[nn.Module], seed: int, rank: int, device: torch.device) -> None:
-        self.device, parked = device, _get_state(device)
-        torch.manual_seed(seed + 1 + rank)
-        self.state = _get_state(device)
-        _set_state(device, parked)
-        self.parked = parked
-        for m in modules:
-            m.register_forward_pre_hook(self._enter)
-            m.register_forward_hook(self._leave)
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        self.parked = _get_state(self.device)
-        _set_state(self.device, self.state)
-
-    def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
-        self.state = _get_state(self.device)
-        _set_state(self.device, self.parked)
 
 
 class _Masks(TorchDispatchMode):
@@ -73,8 +41,10 @@ class _Masks(TorchDispatchMode):
         return out
 
 
-def dropout_rng_run(preset: str, batch: int, mode: str, p: float = 0.1) -> dict[str, Any]:
-    """One block of `preset` with dropout `p`, cut by PyTorch's TP plan (SP plan for the "SP" modes), one
+def dropout_rng_run(parallelize: Callable[..., Any], my_tokens: Callable[..., torch.Tensor], tracker: Callable[..., Any],
+                    preset: str, batch: int, mode: str, p: float = 0.1) -> dict[str, Any]:
+    """One block of `preset` with dropout `p`, cut by the lecture's `parallelize` (its SP plan and `my_tokens`
+    slice of the sequence for the "SP" modes), one
     training-mode forward on the same input on every rank, seeded as `mode` says (`MODES`).
 
     Returns the block's output on this rank (`out`: the replicated B x S x h under TP, this rank's S/t slice
@@ -84,16 +54,16 @@ def dropout_rng_run(preset: str, batch: int, mode: str, p: float = 0.1) -> dict[
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    r, t, dev = rt.rank(), rt.world_size(), rt.device()
+    r, dev, mesh = rt.rank(), rt.device(), rt.mesh()
     sp = mode.startswith("SP")
     cfg = TP_PRESETS[preset]
-    stack = parallelize_blocks(build_stack(preset, seed=1, n_layers=1, dropout=p), rt.mesh(), sp=sp).train()
+    stack = parallelize(build_stack(preset, seed=1, n_layers=1, dropout=p), mesh, sp=sp).train()
     x = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(2)).to(dev)
     if sp:
-        x = x.chunk(t, 1)[r].contiguous()
+        x = my_tokens(x, mesh).contiguous()
     torch.manual_seed(r if "per rank" in mode else 0)
     if mode == "one seed + TP-region RNG":
-        TPRegionRNG([b.attn for b in stack.blocks], 0, r, dev)
+        tracker([b.attn for b in stack.blocks], 0, r, dev)      # the per-rank stream inside the TP region
     with _Masks() as rec:
         y = stack(x)
     return dict(out=y.detach().cpu(), attn=[m for m in rec.masks if m.dim() == 4],
@@ -106,7 +76,8 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a == b).float().mean().item()
 
 
-def dropout_rng_runs(preset: str, batch: int, modes: tuple[str, ...] = MODES, p: float = 0.1) -> dict[str, Any]:
+def dropout_rng_runs(parallelize: Callable[..., Any], my_tokens: Callable[..., torch.Tensor], tracker: Callable[..., Any],
+                     preset: str, batch: int, modes: tuple[str, ...] = MODES, p: float = 0.1) -> dict[str, Any]:
     """`dropout_rng_run` for each of `modes`, in one launch: {mode: its result}."""
-    return {mode: dropout_rng_run(preset, batch, mode, p) for mode in modes}
+    return {mode: dropout_rng_run(parallelize, my_tokens, tracker, preset, batch, mode, p) for mode in modes}
 
