@@ -34,7 +34,7 @@ import torch
 
 import distlab
 from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
-                                 grader, judged, load_weights, weights_of)
+                                 grader, judged, load_weights, on_one_rank, weights_of)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.course.data_parallel.reference import make_model, one_thread, sgd, train_single, trainable
 from distlab.meters import track_comm
@@ -157,9 +157,7 @@ class WrapperTask(Task):
         if inputs is None:
             return _wrapper_reference()
         ref = dict(_wrapper_reference())
-        batches = full_batches(inputs, STEPS)
-        for variant in ("frozen", "tied"):
-            ref[variant] = _train_on(variant, batches)
+        ref.update(on_one_rank(_train_variants, full_batches(inputs, STEPS)))
         if case.args.get("broadcast"):
             ref["broadcast"] = weights_of(inputs[0], "start.")
         return ref
@@ -206,9 +204,18 @@ class WrapperTask(Task):
         return f"one all-reduce per {self.per}{when}, 2*Psi*4*(N-1)/N bytes"
 
 
+def _train_variants(batches: list) -> dict[str, dict[str, torch.Tensor]]:
+    return {variant: _train_on(variant, batches) for variant in ("frozen", "tied")}
+
+
 @functools.lru_cache(maxsize=1)
 def _wrapper_reference() -> dict:
-    """What every wrapper task compares with (the same for all three rungs and both world sizes)."""
+    """What every wrapper task compares with (the same for all three rungs and both world sizes), computed on
+    a rank (`on_one_rank`)."""
+    return on_one_rank(_wrapper_reference_here)
+
+
+def _wrapper_reference_here() -> dict:
     ref: dict = {"broadcast": _named(make_model("plain", seed=SEED_OFFSET, device="cpu"))}
     for variant in ("frozen", "tied"):
         ref[variant] = train_single(variant, sgd, steps=STEPS, batch_size=BATCH)

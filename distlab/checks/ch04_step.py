@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, judged
+from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, judged, on_one_rank
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import held_bytes, model_state, track_comm, track_memory
 from distlab.course.models import PRESETS, lm_loss, synthetic_batch
@@ -43,6 +43,13 @@ def _train_on(variant: str, recipe: str, batches: list) -> dict[str, torch.Tenso
         opt.step()
         opt.zero_grad(set_to_none=True)
     return _params(model)
+
+
+def _trained_configs(configs: tuple, batches: list | None) -> dict:
+    """Each (recipe, variant) trained in one process: on the package's batches, or on the drawn ones."""
+    if batches is None:
+        return {(recipe, v): train_single(v, recipe) for recipe, v in configs}
+    return {(recipe, v): _train_on(v, recipe, batches) for recipe, v in configs}
 
 
 class StepTask(Task):
@@ -83,11 +90,8 @@ class StepTask(Task):
         return out
 
     def reference(self, case: Case, inputs: list | None = None) -> dict:
-        if inputs is None:
-            out = {(recipe, v): train_single(v, recipe) for recipe, v in case.args["configs"]}
-        else:
-            batches = full_batches(inputs, STEPS)
-            out = {(recipe, v): _train_on(v, recipe, batches) for recipe, v in case.args["configs"]}
+        configs = tuple(case.args["configs"])
+        out = on_one_rank(_trained_configs, configs, None if inputs is None else full_batches(inputs, STEPS))
         for v in ("frozen", "tied"):
             model = variant_model(v, device="cpu")
             trainable = [p for p in model.parameters() if p.requires_grad]

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, draw_seed, drawn_batch_shards, drawn_weights, full_batches, load_weights
+from distlab.checks.task import (Case, draw_seed, drawn_batch_shards, drawn_weights, full_batches, load_weights,
+                                 on_one_rank)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.course.models import build_model, lm_loss, split_batch, synthetic_batch
 from distlab.course.zero.units import block_units
@@ -93,7 +94,15 @@ def _train_on(batches: list) -> dict[str, torch.Tensor]:
 
 
 def _trained(inputs: list | None) -> dict[str, torch.Tensor]:
-    return _train_single() if inputs is None else _train_on(full_batches(inputs, STEPS))
+    """One process trained on the whole batch, computed on a rank (`on_one_rank`)."""
+    if inputs is None:
+        return _train_single_on_a_rank()
+    return on_one_rank(_train_on, full_batches(inputs, STEPS))
+
+
+@functools.lru_cache(maxsize=None)
+def _train_single_on_a_rank() -> dict[str, torch.Tensor]:
+    return on_one_rank(_train_single)
 
 
 @functools.lru_cache(maxsize=None)

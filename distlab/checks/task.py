@@ -205,6 +205,14 @@ def _reference(task: Task, case: Case) -> tuple[Any, float]:
     return ref, time.monotonic() - start
 
 
+def on_one_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` computed on one rank of the launcher, not in this process. A reference that trains with
+    `torch.optim` belongs there: an optimizer's first construction imports torch._dynamo (2-3 s, once per
+    process), which the ranks' fork server has already paid and a notebook's kernel has not."""
+    from distlab.engine.launch import launch
+    return launch(fn, 1, args=args)[0]
+
+
 def reference_of(task: Task, case: Case) -> Any:
     """`task.reference(case)`, computed once per process."""
     return _reference(task, case)[0]
