@@ -4,9 +4,10 @@ its verdict lines passed, as `distlab grade` counts them.
 
 nbgrader runs in this process through its own API (`NbGraderAPI`, what its `generate_assignment` and
 `autograde` commands run), with the course's `nbgrader_config.py`: a second interpreter would only import
-nbgrader again. Lab 01 is the cheapest lab to run. One hand-in covers both ends: the solution's answers to
-tasks 1-3 (full points each, and the lab's measurement cells run on them) and task 4 left as released
-(0 points). `distlab grade` gives that hand-in 18/24 as well (6 per task, 1 per verdict line).
+nbgrader again. Lab 01 is the cheapest lab to run. One hand-in (one kernel) covers both ends: the solution's
+answers to tasks 1 and 2 (full points each) and tasks 3 and 4 left as released (0 points each). `distlab
+grade` gives that hand-in 12/24 as well (6 per task, 1 per verdict line); the whole solution 24/24 and the
+unfilled lab 0/24 under both (README, *Labs as nbgrader assignments*).
 """
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ from distlab.apps.nbgrader_course import STUB, write_course
 from distlab.checks import lab_module
 from distlab.checks.labs import make_lab
 
+# nbgrader 0.9.6's gradebook trips SQLAlchemy 2's autoflush warnings; they say nothing about the labs.
+pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
+
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "01_collectives"
-FILLED = ("reduce_scatter", "all_gather", "all_reduce")     # tasks whose answers the hand-in gives
+FILLED = ("reduce_scatter", "all_gather")     # tasks whose answers the hand-in gives
 
 
 def _cells(nb):
@@ -58,7 +62,7 @@ def test_release_equals_the_lab_and_autograde_scores_as_distlab_grade(course):
     assert _cells(release) == _cells(lab)
     assert not any(c.get("outputs") for c in release.cells if c.cell_type == "code")
 
-    # The hand-in: the released notebook with the solution's answers to tasks 1-3 typed in.
+    # The hand-in: the released notebook with the solution's answers to tasks 1 and 2 typed in.
     source = nbformat.read(course / "source" / LAB / f"{LAB}.ipynb", as_version=4)
     tasks = lab_module(LAB).TASKS
     handin = nbformat.read(course / "release" / LAB / f"{LAB}.ipynb", as_version=4)
@@ -79,4 +83,4 @@ def test_release_equals_the_lab_and_autograde_scores_as_distlab_grade(course):
     # distlab grade's points: task.points per verdict line; a task passes every line or (unwritten) none
     most = {name: task.points * len(task.lines()) for name, task in tasks.items()}
     assert got == {name: (most[name] if name in FILLED else 0.0, most[name]) for name in tasks}
-    assert sum(s for s, _ in got.values()) == 18.0
+    assert sum(s for s, _ in got.values()) == 12.0

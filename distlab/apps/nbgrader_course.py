@@ -83,6 +83,8 @@ def source_notebook(solution: nbformat.NotebookNode, lab_name: str) -> nbformat.
     tasks = lab_module(lab_name).TASKS
     nb = make_lab(solution)
     nb.metadata.get("distlab", {}).pop("generated", None)    # a hash of labs/' cells, not these
+    if not nb.metadata.get("distlab", True):
+        del nb.metadata["distlab"]
     for k, (cell, answer) in enumerate(zip(nb.cells, solution.cells)):
         ident = cell.get("id") or f"cell-{k}"
         if cell.cell_type == "code" and BEGIN in answer.source:
