@@ -84,3 +84,26 @@ def test_release_equals_the_lab_and_autograde_scores_as_distlab_grade(course):
     most = {name: task.points * len(task.lines()) for name, task in tasks.items()}
     assert got == {name: (most[name] if name in FILLED else 0.0, most[name]) for name in tasks}
     assert sum(s for s, _ in got.values()) == 12.0
+
+
+def test_every_lab_converts_to_its_lab_under_nbgrader_preprocessors(tmp_path):
+    """Every lab (no kernel, no gradebook): nbgrader's own ClearSolutions and ClearHiddenTests, configured by the
+    course's nbgrader_config.py, turn each source notebook into the cells build-labs writes; each check cell is
+    worth its task's verdict lines, and every cell but the answers is locked."""
+    from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
+    from traitlets.config.loader import PyFileConfigLoader
+    written = write_course(tmp_path)
+    assert sorted(p.stem for p in written) == sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    config = PyFileConfigLoader("nbgrader_config.py", str(tmp_path)).load_config()
+    for path in written:
+        source = nbformat.read(path, as_version=4)
+        tasks = lab_module(path.stem).TASKS
+        graded = {c.metadata["nbgrader"]["grade_id"]: c.metadata["nbgrader"]["points"]
+                  for c in source.cells if c.metadata["nbgrader"]["grade"]}
+        assert graded == {name: task.points * len(task.lines()) for name, task in tasks.items()
+                          if name in graded} and graded, path.stem
+        assert all(c.metadata["nbgrader"]["locked"] != c.metadata["nbgrader"]["solution"] for c in source.cells)
+        released, resources = ClearSolutions(config=config).preprocess(source, {})
+        released, _ = ClearHiddenTests(config=config).preprocess(released, resources)
+        lab = make_lab(nbformat.read(ROOT / "solutions" / path.name, as_version=4))
+        assert _cells(released) == _cells(lab), path.stem
