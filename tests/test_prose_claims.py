@@ -126,6 +126,40 @@ def test_06_zero_table_at_scale_matches_its_printed_figures():
     assert printed[1] == "120.0" and claim.groups() == printed.groups()[1:], (claim.groups(), printed.groups())
 
 
+# ---- lecture 02: throughput at one example per rank ------------------------------------------------------------
+
+def test_02_one_example_per_rank_is_a_small_fraction_of_the_largest_batch():
+    nb = "notebooks/02_ddp.ipynb"
+    out = _output(_cell(nb, "samples/s relative to the largest b", "code"))
+    ratios = {int(b): float(v) for b, v in re.findall(r"b=(\d+): ([\d.]+)x", out)}
+    assert ratios and min(ratios) == 1 and ratios[max(ratios)] == 1.0, out
+    assert ratios[1] < 0.5, out                 # "a small fraction of what it does with many"
+    assert "With one example per rank the job processes a small fraction of what it does with many" in _prose(nb)
+
+
+# ---- lecture 06: the table of the four stages -------------------------------------------------------------------
+
+def test_06_stage_table_reads_as_the_prose_says():
+    nb = "notebooks/06_fsdp.ipynb"
+    out = _output(_cell(nb, "stage_table(meas, PREDICTED)", "code"))
+    rows = {m[1].strip(): [float(v.replace(",", "")) for v in m.groups()[1:]] for m in re.finditer(
+        r"^\| ([^|]+) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d,]+) \| ([\d.]+) \| ([\d.]+) \|", out, re.M)}
+    ddp, z1, z2, z3 = (rows[n] for n in ("DDP", "ZeRO-1", "ZeRO-2 (fully_shard, no reshard)", "ZeRO-3 (fully_shard)"))
+    psi = ddp[1] * 1e6 / 16                     # the theory column reads 16 Psi for DDP (MB)
+    prose = re.sub(r"\s+", " ", _prose(nb))
+    # "match the theory column up to a few hundred bytes for DDP and both `fully_shard` variants"
+    assert "up to a few hundred bytes for DDP and both `fully_shard`" in prose
+    assert all(abs(r[2]) < 1000 for r in (ddp, z2, z3)), (ddp, z2, z3)
+    # "Both `fully_shard` variants hold 16Ψ/N at a step boundary": the same states, the same theory
+    assert z2[0] == z3[0] and z2[1] == z3[1]
+    # "From DDP to ZeRO-1 the peak falls by about what the model states fall by"
+    assert "From DDP to ZeRO-1 the peak falls by about what the model states fall by" in prose
+    assert ddp[3] - z1[3] == pytest.approx(ddp[0] - z1[0], rel=0.25), (ddp, z1)
+    # "ZeRO-2's peak is higher, by up to the full fp32 weights (4Ψ)"
+    assert "yet ZeRO-2's peak is higher, by up to the full fp32 weights (4Ψ)" in prose
+    assert 0 < z2[3] - z3[3] <= 4 * psi / 1e6 + 0.01, (z2, z3, psi)
+
+
 # ---- lecture 08: the offload bytes and the planner check ------------------------------------------------------
 
 def test_08_offload_moves_two_psi_each_way_and_the_planner_matches():
