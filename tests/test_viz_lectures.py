@@ -155,3 +155,26 @@ def test_tables_give_the_records_values_as_compact_markdown():
                        "comm": comm}}
     row = tables.stage_table(meas, {"ZeRO-1": 6_624_000}).data.splitlines()[2]
     assert row == "| ZeRO-1 | 6.628 | 6.624 | +4,000 | 22.83 | 2.416 | all_reduce ×2, broadcast ×53 |"
+
+
+def test_every_lecture_code_cell_fits_on_screen():
+    """Issue 35: a lecture code cell holds at most 20 lines (plots go through distlab.viz, long functions split
+    with add_to_class), so that the code the chapter teaches reads on one screen."""
+    import json
+    from pathlib import Path
+    lectures = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert len(lectures) >= 11
+    long = [(nb.name, i, n) for nb in lectures for i, c in enumerate(json.loads(nb.read_text())["cells"])
+            if c["cell_type"] == "code" and (n := len("".join(c["source"]).rstrip("\n").splitlines())) > 20]
+    assert not long, f"(notebook, cell, lines) over 20 lines: {long}"
+
+
+def test_record_table_puts_each_prediction_beside_its_measurement():
+    from distlab.viz import tables
+    rec = {"name": "fsdp2", "model_state_bytes": {"params": 1104000, "grads": 1104000, "optimizer_state": 2208212},
+           "predicted_model_state_bytes": {"params": 1104000.0, "grads": 1104000.0, "optimizer_state": 2208000.0},
+           "peak_bytes": 19930896, "samples_per_s": 31.8176}
+    lines = tables.record_table(rec, ["model_state_bytes", "peak_bytes", "samples_per_s"]).data.splitlines()
+    assert lines[0] == "| record `fsdp2` | measured | predicted |"
+    assert lines[2:] == ["| model state bytes | 1,104,000 / 1,104,000 / 2,208,212 | 1,104,000 / 1,104,000 / 2,208,000 |",
+                         "| peak bytes | 19,930,896 | – |", "| samples per s | 31.8 | – |"]

@@ -51,3 +51,22 @@ def stage_table(measured: Mapping[str, Mapping[str, Any]], predicted: Mapping[st
                      f"{m['peak'] / 1e6:.2f}", f"{m['comm'].total_bytes / 1e6:.3f}", calls])
     return markdown_table(["strategy", "model states, MB", "theory, MB", "surplus, B", "peak, MB", "sent, MB/step",
                            "collectives per step"], rows, right=[False, True, True, True, True, True, False])
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, Mapping):
+        return " / ".join(_value(x) for x in v.values())
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v)
+
+
+def record_table(record: Mapping[str, Any], keys: Sequence[str]) -> Markdown:
+    """A record (as `distlab.record` returns it) as one row per key: its value and, where the record has
+    `predicted_<key>`, the prediction beside it; a dict value (bytes by role) shows its parts joined by ' / '."""
+    rows = [[k.replace("_", " "), _value(record[k]), _value(record.get(f"predicted_{k}", "–"))] for k in keys]
+    return markdown_table([f"record `{record.get('name', '')}`", "measured", "predicted"], rows)
