@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from distlab.checks.ch03 import TASKS
 from labkit import answer_sources, answers, only, task_lines as _lines
 
@@ -189,7 +191,7 @@ def test_the_lab_holds_the_prelude_one_line_checks_and_its_expected_time():
     assert PRELUDE in code[0].source
     checks = [c for c in code if is_check_cell(c)]
     assert [[line for line in c.source.splitlines() if not line.startswith("#")] for c in checks] == [
-        [f'grade("{name}", ShardedOptimizer)'] for name in TASKS]
+        [f'grade("{name}", {", ".join(task.answers)})'] for name, task in TASKS.items()]
     assert "*Expected time:" in nb.cells[0].source
 
 
@@ -215,3 +217,97 @@ def test_shards_rebuilt_from_the_package_s_pattern_fail_values_under_grading(no_
     graded = graded_lines("all_gather_params", ns, lab=LAB)     # each rank's shard drawn: only it holds it
     assert graded[0].startswith("FAIL _all_gather_params, 2 ranks, values: max |frozen weights, rank 0's "), graded
     assert graded[1] == mine[1], graded
+
+
+# ---- the fp16 loss scaler (ch03_scaler) ------------------------------------------------------------------
+# The wrong scalers below make no collective, so each rank's exercise runs here, in this process, one rank after
+# the other (no launch: no seconds); the judge is the one the notebook and the grader call. The right scaler
+# (all-reduce included) passes in solutions/03_zero1.ipynb under nbval and under grading.
+
+class LocalScaler:
+    """A scaler that decides on its own rank's gradients; each keyword breaks one more thing."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, *,
+                 bad=torch.isfinite, unscale=True, skip=True, grow=True, back_off=True):
+        self.s, self.up, self.down, self.every, self.good, self.found = (
+            init_scale, growth_factor, backoff_factor, growth_interval, 0, False)
+        self.ok, self.unscale, self.skip, self.grow, self.back_off = bad, unscale, skip, grow, back_off
+
+    def scale(self, loss):
+        return loss * self.s
+
+    def get_scale(self):
+        return self.s
+
+    @torch.no_grad()
+    def step(self, opt):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        for g in grads:
+            if self.unscale:
+                g.div_(self.s)
+        self.found = not all(bool(self.ok(g).all()) for g in grads)
+        if not (self.found and self.skip):
+            opt.step()
+
+    def update(self):
+        self.good = 0 if self.found else self.good + 1
+        if self.found and self.back_off:
+            self.s *= self.down
+        elif not self.found and self.good == self.every:
+            self.s, self.good = self.s * (self.up if self.grow else 1.0), 0
+
+
+def _scaler_lines(monkeypatch, **broken) -> list[str]:
+    """The scaler task's verdict lines for LocalScaler(**broken), each rank exercised in this process."""
+    import functools
+
+    import distlab
+    from distlab.checks.task import validate
+    task = TASKS["loss_scaler"]
+    case = task.cases()[0]
+    monkeypatch.setattr(distlab, "device", lambda: torch.device("cpu"))
+    outputs = []
+    for r in range(case.world_size):
+        monkeypatch.setattr(distlab, "rank", lambda r=r: r)
+        outputs.append(task.exercise(case, functools.partial(LocalScaler, **broken)))
+    validate(outputs)
+    return [str(line) for line in task.judge(case, outputs, task.reference(case))]
+
+
+def test_a_scaler_that_decides_alone_fails_only_the_ranks_agree_line(monkeypatch):
+    skip, scale, agree = _scaler_lines(monkeypatch)
+    assert skip.startswith("PASS") and scale.startswith("PASS"), (skip, scale)
+    assert agree.startswith("FAIL LossScaler, 2 ranks: every rank skips the same steps, with the same scale: "
+                            "step "), agree
+    assert "stepped anyway: all-reduce the found-inf flag (MAX, or SUM) across the ranks" in agree, agree
+
+
+def test_the_scaler_s_verdicts_name_the_step_and_what_to_fix(monkeypatch):
+    line = _scaler_lines(monkeypatch, skip=False)[0]
+    assert line.startswith("FAIL") and "but the weights changed: skip optimizer.step() when any gradient is not " \
+        "finite" in line, line
+    line = _scaler_lines(monkeypatch, bad=lambda g: ~torch.isinf(g))[0]      # isinf only: the nan goes through
+    assert line.startswith("FAIL") and "the gradient held a nan but the weights changed" in line, line
+    line = _scaler_lines(monkeypatch, unscale=False)[0]
+    assert line == ("FAIL LossScaler, 2 ranks: overflowing steps skipped, the others unscaled and taken: step 0 "
+                    "(scale 8192), rank 0: the weights moved 8192x too far: divide the gradients by the scale "
+                    "(unscale) before optimizer.step()"), line
+    line = _scaler_lines(monkeypatch, grow=False)[1]
+    assert line.startswith("FAIL LossScaler, 2 ranks: the scale backs off on overflow and grows after good steps: "
+                           "rank 0, step 1: the scale went 8192 -> 8192 after 2 good step(s) in a row; expected "
+                           "16384"), line
+    line = _scaler_lines(monkeypatch, back_off=False)[1]
+    assert "the step overflowed" in line and "expected x backoff_factor" in line, line
+
+
+def test_the_scaler_s_secret_inputs_put_each_spike_on_one_rank(monkeypatch):
+    from distlab.checks import ch03_scaler as sc
+    from distlab.grading import secret
+    task = TASKS["loss_scaler"]
+    case = task.cases()[0]
+    drawn = secret.draw(task, case)
+    assert len(drawn) == 2 and drawn[0]["x"].dtype == torch.float16 and drawn[0]["x"].shape == (sc.STEPS, sc.K)
+    big = [(r, t) for r in range(2) for t in range(sc.STEPS) if (drawn[r]["x"][t].float().abs() > 100).any()]
+    nan = [(r, t) for r in range(2) for t in range(sc.STEPS) if drawn[r]["x"][t].isnan().any()]
+    assert len(big) == 1 and len(nan) == 1 and big[0][1] != nan[0][1] and 1 <= big[0][1] <= 7, (big, nan)
+    assert not torch.equal(drawn[0]["x"], sc.draw(torch.Generator().manual_seed(sc.SEED), 2)[0]["x"])

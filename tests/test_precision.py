@@ -82,3 +82,32 @@ def test_state_dict_round_trip():
 def test_rejects_bad_hyperparameters(kwargs):
     with pytest.raises(ValueError):
         MixedPrecisionAdam([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+# ---- chapter 3's model of a low-precision gradient reduction (distlab.course.precision) ---------------------
+
+def test_unit_roundoff_and_the_bound_above_the_rms_model():
+    from distlab.course.precision import reduction_error_bound, reduction_error_rms, unit_roundoff
+    assert (unit_roundoff(torch.bfloat16), unit_roundoff(torch.float16), unit_roundoff(torch.float32)) == (
+        2.0**-8, 2.0**-11, 2.0**-24)
+    assert reduction_error_bound(4, torch.bfloat16) == 4 * 2.0**-8          # 3 additions + the cast
+    assert reduction_error_bound(4, torch.float32) == 3 * 2.0**-24          # no cast
+    for n in (2, 4, 8, 64):
+        assert reduction_error_rms(n, torch.bfloat16) < reduction_error_bound(n, torch.bfloat16)
+    # sqrt(N) growth: 8x the ranks, about 2x the error (not 8x)
+    assert 1.5 < reduction_error_rms(64, torch.bfloat16) / reduction_error_rms(8, torch.bfloat16) < 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_rms_model_matches_a_ring_summed_in_one_process(dtype):
+    # a ring's additions, in order, each rounded to the reduce dtype (elementwise ops: fast without native bf16)
+    from distlab.course.precision import reduction_error_rms
+    gen = torch.Generator().manual_seed(0)
+    for n in (2, 4, 8):
+        g = torch.randn(n, 2**15, generator=gen)
+        acc = g[0].to(dtype)
+        for k in range(1, n):
+            acc = acc + g[k].to(dtype)
+        exact = g.double().sum(0)
+        err = ((acc.double() - exact).norm() / exact.norm()).item()
+        assert err == pytest.approx(reduction_error_rms(n, dtype), rel=0.2), (n, err)

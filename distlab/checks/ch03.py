@@ -19,7 +19,10 @@ The tasks follow the lab's steps:
   of the weights more than one step away); each rank keeps the optimizer states of its own
   shard only; every step (each metered: the parameters after all of them are
   judged) sends 2Ψ·b·(N-1)/N algorithmic bytes in reduce-scatters and
-  all-gathers, nothing else.
+  all-gathers, nothing else;
+- `loss_scaler`: fp16 dynamic loss scaling on 2 ranks, each with its own shard
+  (`ch03_scaler`): overflowing steps skipped, the others unscaled, the scale
+  backed off and grown, and every rank skipping the same steps.
 
 Every reference is computed here, on the CPU, without learner code. In the
 notebook the batches, every rank's different starting weights and what each rank
@@ -44,6 +47,7 @@ from distlab.theory import collective_bytes_sent
 from distlab.checks.ch03_common import (BATCH, HANG_HINT, INNER_SGD, LAYOUT_DTYPES, SEED_OFFSET, _batch,
                                         _full_gradient, _k, _named, _pattern, _psi, _traffic, _where)
 from distlab.checks.ch03_step import StepTask
+from distlab.checks.ch03_scaler import ScalerTask
 
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -285,6 +289,6 @@ class AllGatherTask(Task):
         return [judged(values_line, values), judged(traffic_line, traffic)]
 
 
-TASKS = {t.name: t for t in (InitTask(), ReduceScatterTask(), AllGatherTask(), StepTask())}
+TASKS = {t.name: t for t in (InitTask(), ReduceScatterTask(), AllGatherTask(), StepTask(), ScalerTask())}
 
 grade = grader(TASKS)
