@@ -92,6 +92,9 @@ def test_every_lab_converts_to_its_lab_under_nbgrader_preprocessors(tmp_path):
     worth its task's verdict lines, and every cell but the answers is locked."""
     from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
     from traitlets.config.loader import PyFileConfigLoader
+    from distlab.apps.cli import main
+    assert main(["nbgrader-source", str(tmp_path / "one"), "--lab", "01_collectives"]) == 0     # the command
+    assert [p.name for p in (tmp_path / "one" / "source").rglob("*.ipynb")] == ["01_collectives.ipynb"]
     written = write_course(tmp_path)
     assert sorted(p.stem for p in written) == sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
     config = PyFileConfigLoader("nbgrader_config.py", str(tmp_path)).load_config()

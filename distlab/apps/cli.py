@@ -7,6 +7,7 @@
     distlab simulate      one training step at any size (7.5B on 64 ranks), measured on fake tensors
     distlab grade         grade learners' lab notebooks (instructors)
     distlab export        a lab's answers as a module + a torchrun job script (leaving one machine)
+    distlab nbgrader-source  the labs as an nbgrader course (instructors who grade with nbgrader)
     distlab build-labs    regenerate labs/ from solutions/ (maintainers)
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from distlab.engine.lazyimports import defer_rfc3987_syntax
 
 # In the order `--help` lists them: the learner's commands first, the maintainer's last.
 SUBCOMMANDS = ("distlab.apps.tour", "distlab.apps.train", "distlab.apps.doctor", "distlab.apps.simulate", "distlab.grading.cli", "distlab.apps.export",
-               "distlab.apps.build_labs")
+               "distlab.apps.nbgrader_course", "distlab.apps.build_labs")
 
 
 def main(argv: list[str] | None = None) -> int:

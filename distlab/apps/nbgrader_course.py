@@ -1,6 +1,6 @@
 """An nbgrader course source folder from solutions/: the labs as nbgrader assignments.
 
-    python -m distlab.apps.nbgrader_course COURSE [--lab 01_collectives ...]
+    distlab nbgrader-source COURSE [--lab 01_collectives ...]     (or python -m distlab.apps.nbgrader_course)
 
 writes `COURSE/source/<lab>/<lab>.ipynb` for each solution notebook (or the labs named) and, when there
 is none yet, `COURSE/nbgrader_config.py`. Then, in COURSE, nbgrader's own commands work as usual:
@@ -42,7 +42,7 @@ from distlab.grading.lab import grade_calls
 ROOT = Path(__file__).resolve().parents[2]
 STUB = 'raise NotImplementedError("your code here")'     # what `checks.labs.strip_answers` writes
 
-CONFIG = f'''# nbgrader's configuration for distlab's labs (written by `python -m distlab.apps.nbgrader_course`).
+CONFIG = f'''# nbgrader's configuration for distlab's labs (written by `distlab nbgrader-source`).
 c = get_config()  # noqa: F821 - nbgrader defines it
 # The stub nbgrader puts in place of an answer: the one `distlab build-labs` writes, so a released
 # notebook has the same cells as labs/.
@@ -149,16 +149,29 @@ def points(*names: str) -> float:
     return float(sum(_passed.get(n, 0.0) for n in names))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m distlab.apps.nbgrader_course",
-                                description="Write an nbgrader course source folder from solutions/.")
+def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("course", type=Path, help="the nbgrader course folder (source/ is written inside it)")
     p.add_argument("--lab", action="append", help="a lab to convert (01_collectives); default: every lab")
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout holding solutions/")
-    args = p.parse_args(argv)
+    return p
+
+
+def add_parser(sub):
+    return _arguments(sub.add_parser("nbgrader-source", help="(instructors) the labs as an nbgrader course's "
+                                     "source/ folder, autograded check cells included",
+                                     description="Write an nbgrader course source folder from solutions/."))
+
+
+def run(args) -> int:
     for path in write_course(args.course, args.lab, args.root):
         print(f"wrote: {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m distlab.apps.nbgrader_course",
+                                description="Write an nbgrader course source folder from solutions/.")
+    return run(_arguments(p).parse_args(argv))
 
 
 if __name__ == "__main__":
