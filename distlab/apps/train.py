@@ -3,6 +3,7 @@
     distlab train --strategy fsdp2 --world-size 4 --steps 200 --out run/
     distlab train --strategy fsdp2 --world-size 2 --steps 300 --out run/ --resume     # continues run/ on 2 ranks
     distlab train --strategy zero3 --world-size 2 --notebook labs/05_zero3.ipynb --out mine/   # your ZeRO-3
+    distlab train --strategy dp_tp --world-size 4 --steps 300 --out run/ --resume     # run/ on a 2 x 2 mesh
     torchrun --nproc-per-node 4 -m distlab.apps.train --strategy fsdp2 --out run/      # under torchrun
 
 Writes to `--out`: `checkpoints/step_NNNNNN/` (torch.distributed.checkpoint, written to a hidden folder and

@@ -134,21 +134,20 @@ def tensor_parallel_blocks(model: nn.Module, tp_mesh: Any) -> nn.Module:
     The MLP is the textbook pair: `fc` column-wise (each rank a slice of the 4d hidden units), `out` row-wise
     (partial sums, one all-reduce of the (B, T, d) output). Attention's Q, K and V live in one (3d, d) matrix,
     and a contiguous column-wise shard of it would give rank 0 all of Q and half of K: not whole heads. So
-    `qkv` is column-wise for its weight (each rank stores and multiplies 3d/tp rows) but its output is
-    all-gathered (`Replicate`), each rank attends with its own n_heads/tp heads, and `proj` is row-wise over
-    those heads. In backward each rank's gradient of the gathered output is non-zero only in its heads'
-    columns (a `Partial` sum), which a reduce-scatter turns back into each rank's shard. The embeddings,
+    `qkv` is column-wise (each rank stores and multiplies 3d/tp rows), its (B, T, 3d/tp) outputs are
+    all-gathered (`_GatherColumns`), each rank attends with its own n_heads/tp heads, and `proj` is row-wise
+    over those heads. In backward each rank's gradient of the gathered output is non-zero only in its heads'
+    columns, and a reduce-scatter sums the ranks' gradients into each rank's 3d/tp columns. The embeddings,
     LayerNorms and head stay whole on every rank; their gradients agree because every input gradient that
     reaches them has been all-reduced. Parameter names and global shapes do not change: a checkpoint saved by
     one strategy loads under another.
     """
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    plan = {"qkv": ColwiseParallel(output_layouts=Replicate(), use_local_output=False), "proj": RowwiseParallel(),
-            "fc": ColwiseParallel(), "out": RowwiseParallel()}
+    plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "fc": ColwiseParallel(), "out": RowwiseParallel()}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
-        forward = functools.partial(_tp_block_forward, block, tp_mesh.size(), tp_mesh.get_local_rank())
+        forward = functools.partial(_tp_block_forward, block, tp_mesh.get_group(), tp_mesh.size(),
+                                    tp_mesh.get_local_rank())
         if "forward" in vars(block):      # `recompute_blocks` came first: recompute this forward instead
             from torch.utils.checkpoint import checkpoint
             forward = functools.partial(checkpoint, forward, use_reentrant=False)
@@ -156,16 +155,37 @@ def tensor_parallel_blocks(model: nn.Module, tp_mesh: Any) -> nn.Module:
     return model
 
 
-def _tp_block_forward(block: nn.Module, tp: int, r: int, x: torch.Tensor) -> torch.Tensor:
+class _GatherColumns(torch.autograd.Function):
+    """Forward: all-gather the ranks' (B, T, c) column blocks into (B, T, tp·c), in rank order. Backward:
+    reduce-scatter the (B, T, tp·c) gradient back to this rank's block, summed over the ranks. Plain c10d
+    collectives on contiguous buffers, issued from autograd like Megatron's f and g."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any, tp: int) -> torch.Tensor:
+        import torch.distributed as dist
+        ctx.group, ctx.tp = group, tp
+        parts = local.new_empty((tp * local.shape[0], *local.shape[1:]))     # rank s's block is rows s·B ...
+        dist.all_gather_into_tensor(parts, local.contiguous(), group=group)
+        return parts.unflatten(0, (tp, -1)).movedim(0, -2).flatten(-2)       # (B, T, tp, c) -> (B, T, tp·c)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+        parts = grad.unflatten(-1, (ctx.tp, -1)).movedim(-2, 0).contiguous()   # (tp, B, T, c)
+        mine = parts.new_empty(parts.shape[1:])
+        parts = parts.flatten(0, 1)
+        dist.reduce_scatter_tensor(mine, parts, group=ctx.group)
+        return mine, None, None
+
+
+def _tp_block_forward(block: nn.Module, group: Any, tp: int, r: int, x: torch.Tensor) -> torch.Tensor:
     """The course Block's forward on this rank's heads (see `tensor_parallel_blocks`)."""
     import torch.nn.functional as F
-    from torch.distributed.tensor import Partial
     from distlab.engine.precision import compute_dtype
     x = x.to(compute_dtype(x.dtype, x.device))
     b, t, d = x.shape
     h, hd = block.n_heads // tp, d // block.n_heads
-    # every head's q, k, v (all-gathered); its gradient comes back as a partial sum over the tp ranks
-    qkv = block.qkv(block.ln1(x)).to_local(grad_placements=(Partial(),))
+    qkv = _GatherColumns.apply(block.qkv(block.ln1(x)), group, tp)     # every head's q, k, v: (B, T, 3d)
     q, k, v = (z.view(b, t, block.n_heads, hd)[:, :, r * h:(r + 1) * h].transpose(1, 2) for z in qkv.split(d, dim=2))
     a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     x = x + block.proj(a.transpose(1, 2).reshape(b, t, h * hd))       # row-wise: all-reduce of (B, T, d)
