@@ -146,10 +146,12 @@ def test_tables_give_the_records_values_as_compact_markdown():
     from distlab.meters.memory import ModelState
     from distlab.viz import tables
     records = [{"op": op, "bytes": s, "busbw_GBps": v} for op, s, v in
-               (("all_reduce", 1024, 0.0001837), ("all_gather", 1024, 0.0001123), ("all_reduce", 2**20, 0.5))]
+               (("all_reduce", 1024, 0.0001837), ("all_gather", 1024, 0.0001123), ("all_reduce", 2**20, 0.5),
+                                ("all_reduce", 2**26, 1.2968))]
     text = tables.busbw_table(records, ["all_reduce", "all_gather"]).data.splitlines()
     assert text[0] == "| S \\ busbw, MB/s | all_reduce | all_gather |"
-    assert text[2:] == ["| 1 KiB | 0.184 | 0.112 |", "| 1 MiB | 500 | – |"]      # MB/s, 3 digits; a dash where none
+    assert text[2:] == ["| 1 KiB | 0.184 | 0.112 |", "| 1 MiB | 500 | – |",      # MB/s, 3 digits; a dash where none
+                        "| 64 MiB | 1,297 | – |"]
     comm = CommStats(calls={"all_reduce": 2, "broadcast": 53}, bytes={"all_reduce": 2_000_000, "broadcast": 416_000})
     meas = {"ZeRO-1": {"state": ModelState(params=4_000_000, grads=0, optimizer_state=2_628_000), "peak": 22_830_000,
                        "comm": comm}}

@@ -24,6 +24,10 @@ def size_label(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _mbps(v: float) -> str:
+    return f"{v:.3g}" if v < 1000 else f"{v:,.0f}"          # 3 significant digits, never an exponent
+
+
 def busbw_table(records: Iterable[Mapping[str, Any]], ops: Sequence[str], *, metric: str = "busbw_GBps") -> Markdown:
     """One row per message size, one column per collective in `ops`: the measured `metric` (GB/s in the records,
     shown in MB/s to 3 significant digits). `records`: as `distlab.bench.collectives.sweep` returns them;
@@ -32,7 +36,7 @@ def busbw_table(records: Iterable[Mapping[str, Any]], ops: Sequence[str], *, met
     for r in records:
         by_size.setdefault(int(r["bytes"]), {})[r["op"]] = r[metric]
     name = metric.split("_")[0]
-    rows = [[size_label(s)] + [f"{by_size[s][op] * 1e3:.3g}" if op in by_size[s] else "–" for op in ops]
+    rows = [[size_label(s)] + [_mbps(by_size[s][op] * 1e3) if op in by_size[s] else "–" for op in ops]
             for s in sorted(by_size)]
     return markdown_table([f"S \\ {name}, MB/s", *ops], rows)
 
