@@ -147,7 +147,7 @@ def test_secret_inputs_differ_from_the_package_s_and_reach_one_rank_only(tmp_pat
 # and peak, no values), its schedule tables (no inputs) and offload_state (where the state lives).
 DRAWN = {"01_collectives": {"reduce_scatter", "all_gather", "all_reduce", "naive_all_reduce"},
          "02_ddp": {"naive", "overlapped", "bucket_layout", "bucketed"},
-         "03_zero1": {"init", "reduce_scatter_grad", "all_gather_params", "step"},
+         "03_zero1": {"init", "reduce_scatter_grad", "all_gather_params", "step", "loss_scaler"},
          "04_zero2": {"construct", "backward", "step"},
          "05_zero3": {"shard", "forward", "backward", "train", "prefetch", "bf16"}, "06_fsdp": {"wrap"},
          "07_tensor_parallel": {"f_g", "column", "row", "mlp", "attention", "sp_ops", "sp_block", "zigzag",
@@ -424,6 +424,9 @@ def test_verdict_lines_say_whether_they_are_enforced_or_detected():
     from distlab.grading.grade import how
     assert how("reduce_scatter, 2 ranks, values") == "enforced"
     assert how("reduce_scatter, 2 ranks, traffic") == how("zero3, peak") == "detected"
+    # traffic the ranks' brokers booked (CPU/gloo) is enforced; memory stays detected
+    assert how("reduce_scatter, 2 ranks, traffic", brokered=True) == "enforced"
+    assert how("zero3, peak", brokered=True) == "detected"
     assert how("reduce_scatter, 2 ranks, values", audited=True) == "detected"
 
 
@@ -699,3 +702,24 @@ def test_the_metered_group_takes_what_torch_passes_by_keyword(monkeypatch):
     group, calls = pgmeter.MeteredGroup(0, 2, "metered_gloo"), []
     monkeypatch.setattr(group, "_op", lambda name, args: calls.append((name, args)) or "work", raising=False)
     assert group.barrier(opts="options") == "work" and calls == [("barrier", ("options",))]
+
+
+def test_a_call_crosses_to_the_broker_as_json_and_bytes_and_comes_back_the_same():
+    """What a rank sends its broker (`distlab.grading.broker`): no pickle; tensors, options and reduce ops rebuilt."""
+    import torch.distributed as dist
+
+    from distlab.grading import broker
+    c10d = torch._C._distributed_c10d
+    opts = c10d.ReduceOptions()
+    opts.reduceOp, opts.rootRank = dist.ReduceOp.MAX, 1
+    call = ([torch.arange(6.0).reshape(2, 3), torch.tensor([1, 2], dtype=torch.int8)], opts, [[torch.zeros(0)]])
+    args, blobs = broker.encode_call(call, torch._C.TensorBase, c10d)
+    json.dumps(args)
+    back = broker.decode_call(args, blobs)
+    assert torch.equal(back[0][0], call[0][0]) and torch.equal(back[0][1], call[0][1]) and back[2][0][0].numel() == 0
+    assert type(back[1]) is c10d.ReduceOptions and back[1].rootRank == 1 and back[1].reduceOp.op == dist.ReduceOp.MAX
+    with pytest.raises(TypeError, match="process-group call got a"):
+        broker.encode_call((object(),), torch._C.TensorBase, c10d)
+    for bad in ({"O": "Store", "f": {}}, {"R": 99}, {"X": 1}, {"T": 5, "d": "float32", "s": [1]}):
+        with pytest.raises((ValueError, IndexError, TypeError, KeyError)):
+            broker.decode_call({"L": [bad]}, blobs)

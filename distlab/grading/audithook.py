@@ -215,13 +215,15 @@ def _codes_of(*fns: Any) -> frozenset:
     return frozenset(out)
 
 
-def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: tuple[str, ...]) -> None:
+def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: tuple[str, ...],
+            broker: Any = None) -> None:
     """Open the event stream, send its key, add the hook. Call once per rank, before learner code.
 
     `trusted_codes` maps each `distlab.*` event ('distlab.pg.op', 'distlab.pg.create',
     'distlab.region', 'distlab.lookup', 'distlab.checkpoint', 'distlab.finish') to the code
     object(s) allowed to raise it; `snapshot_modules` are the modules whose functions and
-    classes a checkpoint compares.
+    classes a checkpoint compares; `broker`: the rank's `distlab.grading.broker.Client`, when a broker owns the
+    real groups (the hook then holds none: it forwards each call there).
 
     The hook's parts are built by the functions below (`_sender`, `_stack_reader`, `_op_runner`, ...), each
     called once here: everything they use is bound in their closures now, none is looked up at run time.
@@ -242,9 +244,9 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     send, safe = _sender(fd, key)
     busy, learner_cache, groups, live = [False], {}, {}, {}
     look = _stack_reader(libs, stdlib, frozen, learner_cache, busy)
-    on_op = _op_runner(send, groups, live)
+    on_op = _op_runner(send, groups, live, broker)
     on_distlab = _distlab_events(trusted_codes, send, safe, on_op, on_group_thread, frame_setters, groups, live,
-                                 _snapshots(snapshot_modules, send))
+                                 _snapshots(snapshot_modules, send), broker)
     watch = _watcher(send, safe, look, _tmp_test(tmp, outside), libs, on_distlab, busy)
     hook = _hook(watch, send, safe, Failed)
     # The frames below this call (the forkserver's `python -c` "<string>", the launcher's worker)
@@ -413,7 +415,7 @@ def _forwarder() -> Any:
     return forward
 
 
-def _op_runner(send: Any, groups: dict, live: dict) -> Any:
+def _op_runner(send: Any, groups: dict, live: dict, broker: Any = None) -> Any:
     """`on_op(args)`: a call on a MeteredGroup, run on the real group (`groups`), booked, its Work handed back in
     the box; each op is also added to the `track_comm` meters open now (`live`)."""
     import torch
@@ -430,6 +432,7 @@ def _op_runner(send: Any, groups: dict, live: dict) -> Any:
                "all_to_all_single": "alltoall_base", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
                "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
     forward, add_live = _forwarder(), _live_adder()
+    c10d_module = torch._C._distributed_c10d
     _type, _int, _bool, _float, _str, _list, _tuple, _len, _id, _getattr = \
         type, int, bool, float, str, list, tuple, len, id, getattr
 
@@ -461,6 +464,12 @@ def _op_runner(send: Any, groups: dict, live: dict) -> Any:
         call = clean(call)
         with no_torch_fn(), no_dispatch():    # a tensor subclass's Python methods never run here
             kind, nbytes = book(name, call, entry[2], entry[3])
+            if broker is not None:     # the broker runs it and books it; the rank only keeps its meters' counts
+                work = broker.issue(entry[4], name, call, TensorBase, c10d_module)
+                for meter in _list(live.values()):
+                    add_live(meter, kind, nbytes, entry[5])
+                box.append(work)
+                return
         # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
         # backend's own temporaries
         with no_dispatch():
@@ -505,7 +514,7 @@ def _snapshots(snapshot_modules: tuple[str, ...], send: Any) -> tuple[Any, Any]:
     return take_snapshot, compare
 
 
-def _group_creator(send: Any, groups: dict, on_group_thread: Any) -> Any:
+def _group_creator(send: Any, groups: dict, on_group_thread: Any, broker: Any = None) -> Any:
     """`on_create(args)`: the real process group behind a MeteredGroup, built by the hook (gloo on its group
     thread: the rank's own thread may no longer open sockets), kept in `groups` and booked (`pg`)."""
     import torch.distributed as dist
@@ -513,7 +522,14 @@ def _group_creator(send: Any, groups: dict, on_group_thread: Any) -> Any:
     _len, _tuple, _int, _str, _id = len, tuple, int, str, id
 
     def on_create(args: tuple) -> None:
-        group, store, rank, size, timeout, members, box = args
+        group, store, rank, size, timeout, members, name, box = args
+        if broker is not None:     # the real group is the broker's (named as torch names it on every rank)
+            gid = _str(name)
+            broker.create(gid, rank, size, timeout.total_seconds())
+            ranks = _tuple(_int(r) for r in members) if _len(members) == size else _tuple(range(size))
+            groups[_id(group)] = (group, None, size, rank, gid, ranks)
+            box.append(None)
+            return
         if group._backend_name.endswith("nccl") and Nccl:
             options = Nccl.Options()
             options._timeout = timeout     # the stall window (rankside): NCCL's watchdog reports a hang
@@ -528,7 +544,7 @@ def _group_creator(send: Any, groups: dict, on_group_thread: Any) -> Any:
     return on_create
 
 
-def _region_book(send: Any, live: dict) -> tuple[Any, Any]:
+def _region_book(send: Any, live: dict, broker: Any = None) -> tuple[Any, Any]:
     """(on_region, on_lookup): `track_comm` blocks as they open, close and report (`learner` = 1 when learner code
     was on the stack), and the region each reported `CommStats` belongs to (-1: none the hook saw; -2: one
     learner code opened or read)."""
@@ -550,11 +566,15 @@ def _region_book(send: Any, live: dict) -> tuple[Any, Any]:
             if _CommMeter in mro_of(_type(meter)):
                 live[_id(meter)] = meter
             send("region", "begin", k, _int(mine))
+            if broker is not None:
+                broker.region("begin", k)
         elif _id(meter) in meters:
             _, k, was = meters[_id(meter)]
             if edge == "end":
                 live.pop(_id(meter), None)
                 send("region", "end", k, _int(was or mine))
+                if broker is not None:
+                    broker.region("end", k)
             elif edge == "stats":
                 stats[_id(args[2])] = (args[2], k, was or mine)
 
@@ -567,13 +587,14 @@ def _region_book(send: Any, live: dict) -> tuple[Any, Any]:
 
 
 def _distlab_events(trusted_codes: dict[str, Any], send: Any, safe: Any, on_op: Any, on_group_thread: Any,
-                    frame_setters: dict[str, Any], groups: dict, live: dict, snapshots: tuple[Any, Any]) -> Any:
+                    frame_setters: dict[str, Any], groups: dict, live: dict, snapshots: tuple[Any, Any],
+                    broker: Any = None) -> Any:
     """`on_distlab(ev, args, code, src)`: a `distlab.*` event, run when raised by the code allowed to raise it
     (`trusted_codes`), else booked as forged; `src`: where learner code is on the stack ('' when nowhere)."""
     codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
     codes["distlab.frames"] = frozenset((set_eval_frame.__code__, set_bytecode_debugger_callback.__code__))
-    on_create = _group_creator(send, groups, on_group_thread)
-    on_region, on_lookup = _region_book(send, live)
+    on_create = _group_creator(send, groups, on_group_thread, broker)
+    on_region, on_lookup = _region_book(send, live, broker)
     take_snapshot, compare = snapshots
     finished = [False]
 
@@ -627,7 +648,7 @@ def _hook(watch: Any, send: Any, safe: Any, Failed: type) -> Any:
                           *(getattr(dist, n) for n in ("DistError", "DistBackendError", "DistNetworkError",
                                                        "DistStoreError") if hasattr(dist, n))))
     exc_str, name_of = BaseException.__str__, type.__dict__["__name__"].__get__
-    boxed_at = {"distlab.pg.op": 2, "distlab.pg.create": 6, "distlab.frames": 2}
+    boxed_at = {"distlab.pg.op": 2, "distlab.pg.create": 7, "distlab.frames": 2}
     _type, _str, _tuple, _list, _len = type, str, tuple, list, len
 
     def hook(ev: Any, args: Any) -> None:

@@ -19,6 +19,7 @@ What counts as evidence (each zeroes the task it was seen in):
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 
 from distlab.grading.channel import read_records
@@ -39,18 +40,20 @@ class RankLog:
     problem: str = ""                                             # why the stream cannot be trusted past a point
 
 
-def read_stream(raw: bytes, flooded: bool = False) -> RankLog:
-    """Verify and interpret one rank's stream (`raw`: everything the runner read from its FIFO)."""
+def read_stream(raw: bytes, flooded: bool = False, broker: bytes | None = None) -> RankLog:
+    """Verify and interpret one rank's stream (`raw`: everything the runner read from its FIFO). `broker`: what
+    the rank's broker booked (`distlab.grading.broker`); when given, the traffic is its, never the rank's."""
     log = RankLog()
     if len(raw) < KEY_BYTES:
         log.problem = "its audit stream is missing (the rank never started one)"
         return log
     stream = read_records(raw[KEY_BYTES:], raw[:KEY_BYTES])
     open_regions: dict[int, tuple[dict, dict]] = {}
+    hook_regions: list[tuple[str, int]] = []
     for payload in stream.records:
         fields = payload.decode("utf-8", "replace").split("\t")
         kind = fields[0]
-        if kind == "op" and len(fields) >= 3:
+        if kind == "op" and len(fields) >= 3 and broker is None:
             log.op_calls[fields[1]] = log.op_calls.get(fields[1], 0) + 1
             for calls, sent in open_regions.values():
                 calls[fields[1]] = calls.get(fields[1], 0) + 1
@@ -59,7 +62,9 @@ def read_stream(raw: bytes, flooded: bool = False) -> RankLog:
             k = int(fields[2])
             if fields[3] == "1":
                 log.learner_regions.add(k)
-            if fields[1] == "begin":
+            if broker is not None:
+                hook_regions.append((fields[1], k))
+            elif fields[1] == "begin":
                 open_regions[k] = ({}, {})
             elif k in open_regions:
                 calls, sent = open_regions.pop(k)
@@ -73,11 +78,36 @@ def read_stream(raw: bytes, flooded: bool = False) -> RankLog:
                 log.evidence.append("a second finish record (only the first counts)")
             else:
                 log.digest = fields[1]
+    if broker is not None and not broker:
+        log.problem = "its broker's bookings are missing or were flooded"
+    elif broker is not None:
+        _read_broker(broker, log, hook_regions)
     if stream.problem:
         log.problem = f"its audit stream was tampered with: {stream.problem}"
     if flooded:
         log.problem = "its audit stream was flooded"
     return log
+
+
+def _read_broker(raw: bytes, log: RankLog, hook_regions: list[tuple[str, int]]) -> None:
+    """The traffic a rank's broker booked, by region; its region markers must be the check's, in order."""
+    seen: list[tuple[str, int]] = []
+    for line in raw.decode("utf-8", "replace").splitlines():
+        fields = line.split("\t")
+        if fields[0] == "kind" and len(fields) >= 2:
+            log.op_calls[fields[1]] = log.op_calls.get(fields[1], 0) + 1
+        elif fields[0] == "region" and len(fields) >= 3:
+            k = int(fields[2])
+            seen.append((fields[1], k))
+            if fields[1] == "end" and len(fields) >= 5:
+                calls, sent = json.loads(fields[3]), json.loads(fields[4])
+                log.regions[k] = CommStats({str(a): int(b) for a, b in calls.items()},
+                                           {str(a): int(sent.get(a, 0)) for a in calls})
+        elif fields[0] == "ev" and len(fields) >= 3:
+            log.evidence.append(f"{fields[1]}: {fields[2]}")
+    ended = raw.endswith(b"end\n")     # a broker stopped in a hung case says nothing more
+    if seen != hook_regions[: len(seen)] or (ended and len(seen) < len(hook_regions)):
+        log.evidence.append("its broker's traffic regions do not match the check's (markers forged or lost)")
 
 
 def _describe(event: str, detail: str, where: str) -> str:

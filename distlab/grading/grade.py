@@ -79,18 +79,24 @@ class Options:
     progress: Callable[[str], None] | None = None
     limits: Limits = field(default_factory=Limits)     # per process, in the sandbox
     max_result_bytes: int = MAX_RESULT_BYTES           # all records of one submission
+    # traffic run and booked by a broker process per rank (`distlab.grading.broker`; CPU/gloo ranks only);
+    # DISTLAB_GRADE_BROKER=0 leaves the real groups to the ranks' audit hooks (traffic detected, not enforced)
+    broker: bool = field(default_factory=lambda: os.environ.get("DISTLAB_GRADE_BROKER", "0") != "0")
 
 
 # Verdict lines that rest on what the audit hook saw inside a rank (its traffic, memory, placement): detected.
-DETECTED_WORDS = ("traffic", "bytes", "messages", "memory", "peak", "activations", "released", "streamed", "device",
-                  "host", "sends")
+# Traffic lines are enforced where the ranks' brokers booked it (`distlab.grading.broker`: CPU/gloo ranks).
+TRAFFIC_WORDS = ("traffic", "bytes", "messages", "sends")
+DETECTED_WORDS = (*TRAFFIC_WORDS, "memory", "peak", "activations", "released", "streamed", "device", "host")
 
 
-def how(line: str, audited: bool = False) -> str:
+def how(line: str, audited: bool = False, brokered: bool = False) -> str:
     """'detected' when the line rests on what a rank's audit hook saw (or evidence zeroed it), else 'enforced':
-    values judged here from the ranks' outputs, on inputs drawn from a secret seed."""
+    values judged here from the ranks' outputs, on inputs drawn from a secret seed, and (`brokered`) traffic
+    that the ranks' brokers ran and booked."""
     last = line.rsplit(", ", 1)[-1]
-    return "detected" if audited or any(w in last for w in DETECTED_WORDS) else "enforced"
+    words = [w for w in DETECTED_WORDS if not (brokered and w in TRAFFIC_WORDS)]
+    return "detected" if audited or any(w in last for w in words) else "enforced"
 
 
 def one_line(text: Any, limit: int = 2000) -> str:
@@ -138,7 +144,9 @@ def _case_outputs(record: dict, seen: list[str], lab: str = "") -> list[Any]:
     """One case's outputs, safe to judge; evidence found on the way goes to `seen`."""
     streams = record.get("streams") or []
     flooded = record.get("flooded") or [False] * len(streams)
-    logs = [evidence.read_stream(_b64(s), bool(f)) for s, f in zip(streams, flooded)]
+    brokers = record.get("brokers")
+    logs = [evidence.read_stream(_b64(s), bool(f), _b64(brokers[r]) if brokers and r < len(brokers) else None)
+            for r, (s, f) in enumerate(zip(streams, flooded))]
     for r, log in enumerate(logs):
         seen += [f"rank {r}: {e}" for e in log.evidence]
         other = shortcuts.other_ops(lab, log.op_calls)
@@ -233,6 +241,7 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None =
         return [Verdict(line, 0, g.task.points, one_line(bad), task=g.task.name, how=how(line))
                 for g in lab.graded for line in g.lines], [bad]
     records = {(r.get("task"), r.get("case")): r for r in outcome.records if r.get("kind") == "case"}
+    brokered = any("brokers" in r for r in records.values())
     verdicts, flags = [], []
     for graded in lab.graded:
         task, cases, seen = graded.task, graded.task.cases(), list(outside or [])
@@ -248,7 +257,7 @@ def judge(lab: ShippedLab, outcome: sandbox.Outcome, outside: list[str] | None =
             else:
                 verdicts.append(Verdict(line.name, task.points if line.ok else 0, task.points,
                                         "" if line.ok else one_line(line.detail or "failed"), str(line), task.name,
-                                        how(line.name)))
+                                        how(line.name, brokered=brokered)))
     return verdicts, flags
 
 
@@ -275,7 +284,7 @@ def run_together(parts: list[tuple[ShippedLab, list[tuple[str, str]]]], name: st
     fork server for all of them: a learner checking every lab, or a whole course's solutions), each part judged
     on its own records (a lab may come more than once): ([(verdicts, audit flags, runner failure)] in the order
     of `parts`, CPU s of all)."""
-    job = {"stall_s": opts.stall_s, "cap_s": opts.case_cap_s, "backend": opts.backend}
+    job = {"stall_s": opts.stall_s, "cap_s": opts.case_cap_s, "backend": opts.backend, "broker": opts.broker}
     if len(parts) == 1:
         job.update(_part(*parts[0]))
     else:

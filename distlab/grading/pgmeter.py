@@ -211,6 +211,6 @@ def create(opts: Any, backend_options: Any = None, *, backend_name: str) -> Mete
     group = MeteredGroup(opts.group_rank, opts.group_size, backend_name)
     box: list = []
     _audit("distlab.pg.create", group, opts.store, opts.group_rank, opts.group_size, opts.timeout,
-           list(opts.global_ranks_in_group), box)
+           list(opts.global_ranks_in_group), str(getattr(opts, "group_id", "")), box)
     unbox(box, "creating the process group")
     return group

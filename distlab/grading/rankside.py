@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distlab.grading import audithook, pgmeter, seccomp, secret, shortcuts, wire
+from distlab.grading import audithook, broker, pgmeter, seccomp, secret, shortcuts, wire
 from distlab.grading.wire import REGION_KEY
 # What a check's rank-side half relies on: rebinding a function or class attribute here is evidence. (Other
 # modules are left alone: torch itself rewraps e.g. every optimizer class's `step` on first use, and a
@@ -129,11 +129,14 @@ def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -
 
 def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, str]], names: list[str],
              stream_paths: list[str], timeout_s: float, input_paths: list[str] | None = None,
-             stall_s: float | None = None) -> bytes:
+             stall_s: float | None = None, broker_paths: list[tuple[str, str]] | None = None) -> bytes:
     """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
-    `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`)."""
+    `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`); `broker_paths`: each
+    rank's request and reply FIFOs to its broker (`distlab.grading.broker`), which then owns the real groups."""
     # first: every rank has read and unlinked its own before any rank runs learner code
     mine = secret.load(secret.receive(input_paths[dist.get_rank()])) if input_paths else None
+    # opened by every rank before the barrier in `_metered_group`: its broker unlinks them then
+    client = broker.Client(*broker_paths[dist.get_rank()]) if broker_paths else None
     from torch import Tensor
 
     from distlab.checks import lab_module
@@ -189,7 +192,7 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         "distlab.checkpoint": run_case.__code__,
         "distlab.shortcut": shortcut_codes,
     }, snapshot_modules=tuple(sorted(m for m in sys.modules if m.startswith(WATCHED_PREFIXES) or m in WATCHED
-                                     or m in shortcut_modules)))
+                                     or m in shortcut_modules)), broker=client)
     _metered_group(timeout_s, stall_s)
     # On NCCL, a batch_isend_irecv on the (Python) metered group runs grouped, as it would without the grader.
     dist.batch_isend_irecv = pgmeter.grouped_batch_isend_irecv(dist.batch_isend_irecv)

@@ -43,6 +43,7 @@ from typing import Any
 import psutil
 
 from distlab.engine import procs
+from distlab.grading.broker import Brokers
 from distlab.grading.channel import Writer
 
 _STARTED = time.monotonic()
@@ -102,14 +103,18 @@ def _no_dump() -> None:
 class _Streams:
     """Reads every rank's event FIFO while the case runs (a FIFO cannot be rewritten once read)."""
 
-    def __init__(self, folder: str, world_size: int) -> None:
+    def __init__(self, folder: str, world_size: int, more: list[int] = ()) -> None:
+        """`more`: pipes read the same way after the ranks' FIFOs (the brokers' bookings), owned from now on."""
         self.paths = [os.path.join(folder, f"events{r}") for r in range(world_size)]
-        self.data = [bytearray() for _ in self.paths]
-        self.flooded = [False] * world_size
         self.fds = []
         for p in self.paths:
             os.mkfifo(p, 0o600)
             self.fds.append(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+        for fd in more:
+            os.set_blocking(fd, False)
+            self.fds.append(fd)
+        self.data = [bytearray() for _ in self.fds]
+        self.flooded = [False] * len(self.fds)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, daemon=True)
         self._thread.start()
@@ -144,6 +149,14 @@ class _Streams:
         return [bytes(d) for d in self.data]
 
 
+def _brokered(job: dict) -> bool:
+    """Brokers own the real groups on gloo (CPU) ranks; NCCL's ranks keep theirs (traffic detected, not enforced)."""
+    if not job.get("broker") or job.get("backend") == "nccl":
+        return False
+    import torch
+    return job.get("backend") == "gloo" or not torch.cuda.is_available()
+
+
 def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     """One launch of one case; a record for the grader (JSON-able, blobs in base64)."""
     from distlab.checks.verdict import reason
@@ -151,7 +164,8 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
     from distlab.grading.safeload import plain_loads
     from distlab.engine.launch import LaunchOverran, LaunchStalled, LaunchTimeout, run_on_ranks
     from distlab.grading.secret import offer
-    streams = _Streams(folder, case.world_size)
+    brokers = Brokers(folder, case.world_size) if _brokered(job) else None
+    streams = _Streams(folder, case.world_size, [os.dup(fd) for fd in brokers.fds()] if brokers else [])
     record: dict[str, Any] = {"kind": "case", "task": task.name, "case": index, "world_size": case.world_size}
     offered: list[int] = []
     started = time.monotonic()
@@ -162,7 +176,8 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
             offered.append(offer(path, base64.b64decode(inputs[r])))
         outputs = run_on_ranks(on_rank, case.world_size,
                          args=(job["lab"], task.name, index, job["cells"], job["names"][task.name], streams.paths, job["cap_s"]),
-                         kwargs=dict(input_paths=paths, stall_s=job["stall_s"]), backend=job["backend"],
+                         kwargs=dict(input_paths=paths, stall_s=job["stall_s"],
+                                     broker_paths=brokers.paths if brokers else None), backend=job["backend"],
                          stall=job["stall_s"], work_cap=(job.get("work_caps") or {}).get(f"{task.name}/{index}"),
                          timeout=job["cap_s"], loads=plain_loads)
         if not all(isinstance(o, bytes) for o in outputs):
@@ -177,8 +192,14 @@ def run_case(job: dict, task: Any, index: int, case: Any, folder: str) -> dict:
         record.update(status="error", reason=why, stuck=stuck)
     for fd in offered:
         os.close(fd)
-    record["streams"] = [base64.b64encode(s).decode() for s in streams.close()]
-    record["flooded"] = streams.flooded
+    if brokers:
+        brokers.stop()
+    raw, n = streams.close(), case.world_size
+    record["streams"] = [base64.b64encode(s).decode() for s in raw[:n]]
+    record["flooded"] = streams.flooded[:n]
+    if brokers:     # what each rank's broker booked: the case's traffic
+        record["brokers"] = [base64.b64encode(s).decode() if not f else "" for s, f in zip(raw[n:], streams.flooded[n:])]
+        brokers.close()
     return record
 
 
