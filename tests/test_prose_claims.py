@@ -126,6 +126,21 @@ def test_06_zero_table_at_scale_matches_its_printed_figures():
     assert printed[1] == "120.0" and claim.groups() == printed.groups()[1:], (claim.groups(), printed.groups())
 
 
+# ---- lecture 03: the toy ZeRO-1 step checked by hand ---------------------------------------------------------
+
+def test_03_four_steps_print_what_the_prose_checks_by_hand():
+    nb = "notebooks/03_zero1.ipynb"
+    out = _output(_cell(nb, "def four_steps(lr=0.1):", "code"))
+    lines = re.findall(r"\[rank (\d)\] local grad \[([^]]*)\] -> my mean-grad shard \[([^]]*)\] -> weights \[([^]]*)\]", out)
+    assert len(lines) == 4, out
+    for rank, grad, shard, weights in lines:
+        assert {float(v) for v in grad.split(",")} == {int(rank) + 1.0}          # "1, 2, 3 and 4 on ranks 0 to 3"
+        assert [float(v) for v in shard.split(",")] == [2.5, 2.5]                # "2.5 everywhere"
+        assert [float(v) for v in weights.split(",")] == [i - 0.25 for i in range(8)]   # "moves down by 0.25"
+    prose = _prose(nb)
+    assert "(1 + 2 + 3 + 4) / 4 = 2.5 everywhere" in prose and "every weight moves down by 0.25" in prose
+
+
 # ---- lecture 02: throughput at one example per rank ------------------------------------------------------------
 
 def test_02_one_example_per_rank_is_a_small_fraction_of_the_largest_batch():
@@ -158,6 +173,9 @@ def test_06_stage_table_reads_as_the_prose_says():
     # "ZeRO-2's peak is higher, by up to the full fp32 weights (4Ψ)"
     assert "yet ZeRO-2's peak is higher, by up to the full fp32 weights (4Ψ)" in prose
     assert 0 < z2[3] - z3[3] <= 4 * psi / 1e6 + 0.01, (z2, z3, psi)
+    # "although ZeRO-3 sends about 1.4x the bytes" (the sent column: (3Ψ − Ψ_root) / 2Ψ)
+    times = re.search(r"although ZeRO-3 sends about ([\d.]+)x the bytes", prose)
+    assert times and float(times[1]) == round(z3[4] / z2[4], 1), (times and times[1], z3[4] / z2[4])
 
 
 # ---- lecture 08: the offload bytes and the planner check ------------------------------------------------------
