@@ -70,6 +70,30 @@ needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bubblewrap is not usable her
 
 BUSY_CAP_S = 2.0      # CPU s per rank: the kernel class run's busy loop is stopped here (see kernel_run)
 
+# Issue 38: a rank's own process searched for a process group of a real backend (every gc-tracked object and
+# what they refer to: pybind objects are not tracked themselves), from code compiled under a `<frozen x>` name;
+# each one found is used for an unmetered all-reduce. The broker holds the real groups: the rank has none.
+REACH_INTO_SELF = '''
+import gc, json
+def _reach():
+    found, seen = set(), set()
+    objs = gc.get_objects()
+    for x in objs + gc.get_referents(*objs):     # one audit event each (a call per object floods the stream)
+        name = type(x).__name__
+        if name in ("ProcessGroupGloo", "ProcessGroupNCCL") and id(x) not in seen:
+            seen.add(id(x))
+            try:
+                x.allreduce([torch.ones(4)]).wait()
+                found.add(name + ": used")
+            except Exception as exc:
+                found.add(name + ": " + type(exc).__name__)
+    return sorted(found)
+exec(compile("def _hidden():\\n    return _reach()\\n", "<frozen x>", "exec"), globals())
+_seen = {"groups": _hidden()}
+def ring_reduce_scatter(tensor, op=dist.ReduceOp.SUM):
+    raise RuntimeError("PROBE " + json.dumps(_seen, separators=(",", ":")))
+'''
+
 
 def _probe(r) -> dict:
     """The JSON an attack put in its failure line after PROBE (the line may go on: where it was raised)."""
@@ -146,6 +170,8 @@ def _grade_everything(tmp_path_factory, labs):
         kernel_opts = Options(sandbox=box, max_result_bytes=8 << 20)
         the_lab = lab("01_collectives", ["reduce_scatter, 2 ranks"])
         attacks = mk.kernel_attacks()
+        ch1, good, rs, _ = mk._ch1()
+        attacks["k_reach_into_self"] = mk.submission(ch1, dict(good, **{rs: REACH_INTO_SELF}))
         alone = {name: attacks.pop(name) for name in mk.KERNEL_ALONE}
         shared = {**{name: src for name, src in routes.items() if name not in mk.ATTACKS_ALONE}, **attacks}
         shared["honest"] = shared.pop("honest")
@@ -418,6 +444,14 @@ def test_the_kernel_keeps_a_rank_from_host_files_sockets_processes_and_unmetered
     assert probe["socket"] == probe["subprocess"] == probe["fork"] == probe["setsid"] == "no", probe   # seccomp
     assert probe["gloo"] != "ok", probe            # a gloo group of its own (unmetered) cannot be built
     assert r.score == 0 and any("socket.__new__" in f for f in r.flags) and any("os.fork" in f for f in r.flags)
+
+
+@needs_bwrap
+def test_a_rank_that_reaches_into_its_own_process_finds_no_real_process_group(graded):
+    """Issue 38: the real gloo groups live in the rank's broker; gc over the rank (hidden or not) finds none."""
+    r = graded.kernel["k_reach_into_self"]
+    assert _probe(r) == {"groups": []}, r.verdicts[0].judged
+    assert r.score == 0 and any("<frozen x>" in f for f in r.flags), r.flags
 
 
 @needs_bwrap

@@ -81,7 +81,7 @@ class Options:
     max_result_bytes: int = MAX_RESULT_BYTES           # all records of one submission
     # traffic run and booked by a broker process per rank (`distlab.grading.broker`; CPU/gloo ranks only);
     # DISTLAB_GRADE_BROKER=0 leaves the real groups to the ranks' audit hooks (traffic detected, not enforced)
-    broker: bool = field(default_factory=lambda: os.environ.get("DISTLAB_GRADE_BROKER", "0") != "0")
+    broker: bool = field(default_factory=lambda: os.environ.get("DISTLAB_GRADE_BROKER", "1") != "0")
 
 
 # Verdict lines that rest on what the audit hook saw inside a rank (its traffic, memory, placement): detected.
