@@ -45,6 +45,12 @@ def _semantics():
         except distlab.engine.audit.DeviceAuditError:
             refused.append(name)
     out["refused"] = refused
+    # A functional collective's result (what DTensor and parallelize_module's layers return) waits for its
+    # collective at its first use (wait_tensor): right on NCCL, so never the poison here either.
+    import torch.distributed._functional_collectives as funcol
+    x = torch.full((4, 3), float(r + 1), device=d)
+    out["functional"] = [float((funcol.all_reduce(x, "sum", dist.group.WORLD) * 1.0).sum()) for _ in range(4)]
+    out["functional"].append(float(funcol.all_reduce(x.t(), "sum", dist.group.WORLD).sum()))   # non-contiguous
     return out
 
 
@@ -67,6 +73,7 @@ def test_strict_backend_keeps_nccls_promises(no_orphans):
         # Pairing Works with ops (right on gloo) uses only the first received part on NCCL, and here.
         assert o["zip_pairing"] == [[7.0, 7.0]]
         assert o["refused"] == ["0-dim", "1 element", "device='cpu'"]
+        assert o["functional"] == [36.0] * 5, o["functional"]     # (1 + 2) x 12 elements, never NaN
     # A tensor that reached the rank as a launch() argument is a host tensor on a GPU box.
     assert distlab.launch(_launch_argument, 2, args=(torch.ones(3),), strict=True) == ["refused: an argument of launch()"] * 2
 

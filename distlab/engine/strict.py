@@ -120,18 +120,31 @@ def _issuer() -> str:
     return "an unknown line"
 
 
+def _collective_result(t: Any) -> torch.Tensor | None:
+    """The tensor a functional collective's result wraps (`AsyncCollectiveTensor.elem`, what DTensor's
+    redistributions and parallelize_module's layers return), else None. Any use of such a result first
+    calls `wait_tensor` on it: on NCCL that orders the use after the collective on the stream."""
+    return t.elem if type(t).__name__ == "AsyncCollectiveTensor" else None
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes `t` covers in memory: exact for a contiguous tensor, its whole storage otherwise.
-    A tensor subclass without storage (DTensor) is its local tensor."""
-    local = getattr(t, "_local_tensor", None)
-    if local is not None:
-        return _span(local)
+    A tensor subclass without storage (DTensor) is its local tensor; a functional collective's result,
+    the tensor it wraps."""
+    inner = getattr(t, "_local_tensor", None)
+    if inner is None:
+        inner = _collective_result(t)
+    if inner is not None:
+        return _span(inner)
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and not torch._C._has_storage(t):
         return (0, 0)
     if t.is_contiguous():
         start = t.data_ptr()
         return start, start + t.numel() * t.element_size()
-    storage = t.untyped_storage()
+    try:
+        storage = t.untyped_storage()
+    except RuntimeError:    # a wrapper subclass with no real storage of its own
+        return (0, 0)
     return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
@@ -151,6 +164,17 @@ class _Pending:
             works = list(self.works)
         for w in works:
             if w.joined and not w.done and any(a < d and c < b for a, b in spans for c, d in w.spans):
+                w.complete()
+
+    def complete_waited(self, tensors: list[torch.Tensor]) -> None:
+        """Join and complete each op whose outputs overlap `tensors`, results of functional collectives
+        about to be used: their use waits for them (`wait_tensor`), so a GPU stream orders it after them."""
+        spans = [_span(t) for t in tensors if t.numel() and t.device.type == "cpu"]
+        with _LOCK:
+            works = list(self.works)
+        for w in works:
+            if not w.done and any(a < d and c < b for a, b in spans for c, d in w.spans):
+                w.wait()
                 w.complete()
 
     def complete_all(self) -> None:
@@ -344,7 +368,11 @@ class StreamOrder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if _PENDING.works:
-            _PENDING.complete_joined(torch.utils._pytree.tree_leaves((args, kwargs)))
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            waited = [r for r in map(_collective_result, leaves) if r is not None]
+            if waited:      # this op's first act is wait_tensor on them (AsyncCollectiveTensor's dispatch)
+                _PENDING.complete_waited(waited)
+            _PENDING.complete_joined(leaves)
         return func(*args, **kwargs)
 
 
