@@ -28,9 +28,10 @@ the rest (imports, reading library files, `sys._getframe`, which the library
 does on the learner's behalf all the time) only when learner code caused them.
 Only the first `finish` counts: a later one is evidence.
 
-Process groups created after the rank's seccomp filter is on (a learner's
-`dist.new_group`, a device mesh) are built on the hook's group thread,
-started here before the filter, so gloo can still open their sockets.
+On CPU (gloo) the real process groups are the rank's broker's
+(`distlab.grading.broker`): the hook forwards each call there and holds no
+group; what the broker books is the rank's traffic. On NCCL the hook still
+owns the real groups (traffic detected, not enforced).
 
 Everything the hook uses is bound here, before learner code runs, and kept
 in its closure: learner code can rebind module attributes, but not these.
@@ -132,40 +133,6 @@ def frozen_codes() -> frozenset:
     return frozenset(out)
 
 
-def _group_thread() -> Any:
-    """`run(fn, *args)`: `fn(*args)` on a thread started now (before the rank's seccomp filter), one call at a
-    time. A `_thread` thread, not a `threading.Thread`: `threading.enumerate()` does not list it."""
-    import _thread
-    request, done, one_at_a_time = _thread.allocate_lock(), _thread.allocate_lock(), _thread.allocate_lock()
-    request.acquire()
-    done.acquire()
-    box: list = []
-
-    def serve() -> None:
-        while True:
-            request.acquire()
-            fn, args = box.pop()
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-                box.append((False, exc))
-            done.release()
-
-    _thread.start_new_thread(serve, ())
-
-    def run(fn: Any, *args: Any) -> Any:
-        with one_at_a_time:
-            box.append((fn, args))
-            request.release()
-            done.acquire()
-            ok, value = box.pop()
-        if not ok:
-            raise value
-        return value
-
-    return run
-
-
 # torch's C functions that install a callback the interpreter hands frames to (see the module docstring)
 FRAME_CALLBACKS = ("set_eval_frame", "set_bytecode_debugger_callback")
 
@@ -231,7 +198,6 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     from distlab.grading.pgmeter import Failed
 
     frame_setters = _take_frame_callbacks()
-    on_group_thread = _group_thread()
     libs, stdlib = trusted_roots()
     frozen = frozen_codes()
     tmp = os.path.realpath(__import__("tempfile").gettempdir()) + os.sep
@@ -245,7 +211,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     busy, learner_cache, groups, live = [False], {}, {}, {}
     look = _stack_reader(libs, stdlib, frozen, learner_cache, busy)
     on_op = _op_runner(send, groups, live, broker)
-    on_distlab = _distlab_events(trusted_codes, send, safe, on_op, on_group_thread, frame_setters, groups, live,
+    on_distlab = _distlab_events(trusted_codes, send, safe, on_op, frame_setters, groups, live,
                                  _snapshots(snapshot_modules, send), broker)
     watch = _watcher(send, safe, look, _tmp_test(tmp, outside), libs, on_distlab, busy)
     hook = _hook(watch, send, safe, Failed)
@@ -394,27 +360,6 @@ def _live_adder() -> Any:
     return add_live
 
 
-def _forwarder() -> Any:
-    """`forward(inner, name, call)`: `inner.name(*call)`; gloo has no tensor-coalesced gathers: those run pair by
-    pair."""
-    one_by_one = {"allgather_into_tensor_coalesced": "_allgather_base",
-                  "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
-    _hasattr, _getattr, _len, _zip = hasattr, getattr, len, zip
-
-    def forward(inner: Any, name: str, call: tuple) -> Any:
-        if _hasattr(inner, name) or name not in one_by_one:
-            return _getattr(inner, name)(*call)
-        outputs, inputs, opts = call[0], call[1], call[2] if _len(call) > 2 else None
-        single = _getattr(inner, one_by_one[name])
-        works = [single(o, i, opts) if opts is not None else single(o, i) for o, i in _zip(outputs, inputs)]
-        if not works:
-            raise ValueError("distlab grade: a coalesced collective with no tensors")
-        for work in works[:-1]:
-            work.wait()
-        return works[-1]
-    return forward
-
-
 def _op_runner(send: Any, groups: dict, live: dict, broker: Any = None) -> Any:
     """`on_op(args)`: a call on a MeteredGroup, run on the real group (`groups`), booked, its Work handed back in
     the box; each op is also added to the `track_comm` meters open now (`live`)."""
@@ -428,10 +373,8 @@ def _op_runner(send: Any, groups: dict, live: dict, broker: Any = None) -> Any:
     c10d_types = frozenset(v for v in vars(torch._C._distributed_c10d).values() if isinstance(v, type))
     PG, Device, kinds, markers = torch._C._distributed_c10d.ProcessGroup, torch.device, dict(OP_KINDS), \
         frozenset(COALESCING)
-    aliases = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
-               "all_to_all_single": "alltoall_base", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
-               "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
-    forward, add_live = _forwarder(), _live_adder()
+    from distlab.grading.broker import ALIASES
+    aliases, add_live = dict(ALIASES), _live_adder()
     c10d_module = torch._C._distributed_c10d
     _type, _int, _bool, _float, _str, _list, _tuple, _len, _id, _getattr = \
         type, int, bool, float, str, list, tuple, len, id, getattr
@@ -473,7 +416,7 @@ def _op_runner(send: Any, groups: dict, live: dict, broker: Any = None) -> Any:
         # as the C++ dispatcher would run it: Python dispatch modes (a memory tracker) do not see the
         # backend's own temporaries
         with no_dispatch():
-            work = forward(entry[1], aliases.get(name, name), call)
+            work = _getattr(entry[1], aliases.get(name, name))(*call)
         # booked once issued: a call the backend refused (bad shapes) moved nothing and counts nothing
         send("op", kind, nbytes, entry[4])
         for meter in _list(live.values()):
@@ -514,9 +457,10 @@ def _snapshots(snapshot_modules: tuple[str, ...], send: Any) -> tuple[Any, Any]:
     return take_snapshot, compare
 
 
-def _group_creator(send: Any, groups: dict, on_group_thread: Any, broker: Any = None) -> Any:
-    """`on_create(args)`: the real process group behind a MeteredGroup, built by the hook (gloo on its group
-    thread: the rank's own thread may no longer open sockets), kept in `groups` and booked (`pg`)."""
+def _group_creator(send: Any, groups: dict, broker: Any = None) -> Any:
+    """`on_create(args)`: the real process group behind a MeteredGroup: the broker's (gloo under grading), else
+    built by the hook (NCCL, which opens sockets as it goes; gloo only before a seccomp filter, as in tests),
+    kept in `groups` and booked (`pg`)."""
     import torch.distributed as dist
     Gloo, Nccl = dist.ProcessGroupGloo, getattr(dist, "ProcessGroupNCCL", None)
     _len, _tuple, _int, _str, _id = len, tuple, int, str, id
@@ -534,8 +478,8 @@ def _group_creator(send: Any, groups: dict, on_group_thread: Any, broker: Any = 
             options = Nccl.Options()
             options._timeout = timeout     # the stall window (rankside): NCCL's watchdog reports a hang
             inner = Nccl(store, rank, size, options)
-        else:    # on the group thread: this thread may no longer open sockets (seccomp)
-            inner = on_group_thread(Gloo, store, rank, size, timeout)
+        else:
+            inner = Gloo(store, rank, size, timeout)
         gid = _len(groups)
         ranks = _tuple(_int(r) for r in members) if _len(members) == size else _tuple(range(size))
         groups[_id(group)] = (group, inner, size, rank, _str(gid), ranks)
@@ -580,20 +524,21 @@ def _region_book(send: Any, live: dict, broker: Any = None) -> tuple[Any, Any]:
 
     def on_lookup(args: tuple) -> None:
         objs, out = args
+        if broker is not None:    # every op and region marker sent so far is booked before the outputs leave
+            broker.sync()
         for obj in objs:
             hit = stats.get(_id(obj))
             out.append(-1 if hit is None or hit[0] is not obj else (-2 if hit[2] else hit[1]))
     return on_region, on_lookup
 
 
-def _distlab_events(trusted_codes: dict[str, Any], send: Any, safe: Any, on_op: Any, on_group_thread: Any,
-                    frame_setters: dict[str, Any], groups: dict, live: dict, snapshots: tuple[Any, Any],
-                    broker: Any = None) -> Any:
+def _distlab_events(trusted_codes: dict[str, Any], send: Any, safe: Any, on_op: Any, frame_setters: dict[str, Any],
+                    groups: dict, live: dict, snapshots: tuple[Any, Any], broker: Any = None) -> Any:
     """`on_distlab(ev, args, code, src)`: a `distlab.*` event, run when raised by the code allowed to raise it
     (`trusted_codes`), else booked as forged; `src`: where learner code is on the stack ('' when nowhere)."""
     codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
     codes["distlab.frames"] = frozenset((set_eval_frame.__code__, set_bytecode_debugger_callback.__code__))
-    on_create = _group_creator(send, groups, on_group_thread, broker)
+    on_create = _group_creator(send, groups, broker)
     on_region, on_lookup = _region_book(send, live, broker)
     take_snapshot, compare = snapshots
     finished = [False]

@@ -238,7 +238,7 @@ class _Broker:
                 self.region(str(head["edge"]), int(head["k"]))
                 continue
             try:
-                reply, out = getattr(self, "do_" + str(do))(head, blobs) if do in ("create", "op", "wait") \
+                reply, out = getattr(self, "do_" + str(do))(head, blobs) if do in ("create", "op", "wait", "sync") \
                     else ({"ok": False, "err": "ValueError", "msg": f"unknown request {do!r}"}, [])
             except (TypeError, ValueError, RuntimeError, IndexError, KeyError, NotImplementedError) as exc:
                 reply, out = {"ok": False, "err": type(exc).__name__, "msg": str(exc)[:2000]}, []
@@ -300,6 +300,10 @@ class _Broker:
             work.wait()
         return works[-1]
 
+    def do_sync(self, head: dict, blobs: list) -> tuple[dict, list]:
+        """Answered once every earlier request is booked (the rank asks before it returns its outputs)."""
+        return {"ok": True}, []
+
     def do_wait(self, head: dict, blobs: list) -> tuple[dict, list]:
         work, first, name = self.works.pop(int(head["h"]))
         work.wait()
@@ -331,6 +335,9 @@ class Client:
     def region(self, edge: str, k: int) -> None:
         with self.lock:
             send_msg(self.req, {"do": "region", "edge": edge, "k": k})
+
+    def sync(self) -> None:
+        self.ask({"do": "sync"})
 
     def create(self, gid: str, rank: int, size: int, timeout_s: float) -> None:
         self.ask({"do": "create", "g": gid, "rank": rank, "size": size, "timeout": timeout_s})
@@ -427,16 +434,14 @@ class Brokers:
     def fds(self) -> list[int]:
         return [r.fileno() for r in self.readers]
 
-    def stop(self, grace_s: float = 2.0) -> None:
-        """After the ranks: each broker ends when its rank's pipe closes; one still stuck in a wait is stopped."""
-        import time
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+    def stop(self) -> None:
+        """After the ranks: every rank synced with its broker before it returned (`Client.sync`), so all it
+        booked for the outputs is in the pipe; the brokers are stopped at once (one may be stuck in a wait)."""
         for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join(5)
+        for p in self.procs:
+            p.join(5)
         for (req, rep) in self.paths:       # a rank that never opened its end
             for path in (req, rep):
                 if os.path.exists(path):

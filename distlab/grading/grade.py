@@ -79,9 +79,6 @@ class Options:
     progress: Callable[[str], None] | None = None
     limits: Limits = field(default_factory=Limits)     # per process, in the sandbox
     max_result_bytes: int = MAX_RESULT_BYTES           # all records of one submission
-    # traffic run and booked by a broker process per rank (`distlab.grading.broker`; CPU/gloo ranks only);
-    # DISTLAB_GRADE_BROKER=0 leaves the real groups to the ranks' audit hooks (traffic detected, not enforced)
-    broker: bool = field(default_factory=lambda: os.environ.get("DISTLAB_GRADE_BROKER", "1") != "0")
 
 
 # Verdict lines that rest on what the audit hook saw inside a rank (its traffic, memory, placement): detected.
@@ -284,7 +281,7 @@ def run_together(parts: list[tuple[ShippedLab, list[tuple[str, str]]]], name: st
     fork server for all of them: a learner checking every lab, or a whole course's solutions), each part judged
     on its own records (a lab may come more than once): ([(verdicts, audit flags, runner failure)] in the order
     of `parts`, CPU s of all)."""
-    job = {"stall_s": opts.stall_s, "cap_s": opts.case_cap_s, "backend": opts.backend, "broker": opts.broker}
+    job = {"stall_s": opts.stall_s, "cap_s": opts.case_cap_s, "backend": opts.backend}
     if len(parts) == 1:
         job.update(_part(*parts[0]))
     else:

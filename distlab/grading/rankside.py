@@ -4,10 +4,12 @@ The sandbox runner launches `run_case(...)` on every rank of one case with
 `distlab.launch`. In order, before any learner code:
 
 0. its secret inputs, when the lab's are drawn by the grader (`distlab.grading.secret`);
-1. `audithook.install`: the rank's event stream and its key, the hook;
+1. its pipes to its broker (`distlab.grading.broker`, CPU/gloo ranks), then
+   `audithook.install`: the rank's event stream and its key, the hook;
 2. the lab's library shortcuts are watched (`distlab.grading.shortcuts`), and
    the default process group is re-created as a `MeteredGroup`
-   (`distlab.grading.pgmeter`), so every collective is run and booked by the hook;
+   (`distlab.grading.pgmeter`), so every collective goes through the hook to
+   the rank's broker, which runs and books it (on NCCL: the hook runs and books it);
 3. `track_comm` blocks announce themselves to the hook (regions).
 
 4. the rank's resource limits are lowered (CPU seconds of one case) and, with
@@ -127,20 +129,13 @@ def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -
     return ns, errors
 
 
-def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, str]], names: list[str],
-             stream_paths: list[str], timeout_s: float, input_paths: list[str] | None = None,
-             stall_s: float | None = None, broker_paths: list[tuple[str, str]] | None = None) -> bytes:
-    """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
-    `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`); `broker_paths`: each
-    rank's request and reply FIFOs to its broker (`distlab.grading.broker`), which then owns the real groups."""
-    # first: every rank has read and unlinked its own before any rank runs learner code
-    mine = secret.load(secret.receive(input_paths[dist.get_rank()])) if input_paths else None
-    # opened by every rank before the barrier in `_metered_group`: its broker unlinks them then
-    client = broker.Client(*broker_paths[dist.get_rank()]) if broker_paths else None
+def _finisher() -> Any:
+    """`finish(outputs)`: the outputs as safetensors bytes, each `CommStats` in them replaced by the hook's
+    region reference (`distlab.lookup`), their digest sent (`distlab.finish`). Built before learner code: what
+    it uses is bound here."""
     from torch import Tensor
 
-    from distlab.checks import lab_module
-    from distlab.meters.comm import CommStats, _CommMeter  # noqa: F401 - imported before learner code
+    from distlab.meters.comm import CommStats
     audit, dumps, sha256, _type, _dict, _list, _tuple = sys.audit, wire.encode, hashlib.sha256, type, dict, list, tuple
 
     def collect(x: Any, found: list, depth: int = 0) -> None:
@@ -177,6 +172,22 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
         audit("distlab.finish", sha256(data).hexdigest())
         return data
 
+    return finish
+
+
+def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, str]], names: list[str],
+             stream_paths: list[str], timeout_s: float, input_paths: list[str] | None = None,
+             stall_s: float | None = None, broker_paths: list[tuple[str, str]] | None = None) -> bytes:
+    """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
+    `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`); `broker_paths`: each
+    rank's request and reply FIFOs to its broker (`distlab.grading.broker`), which then owns the real groups."""
+    # first: every rank has read and unlinked its own before any rank runs learner code
+    mine = secret.load(secret.receive(input_paths[dist.get_rank()])) if input_paths else None
+    # opened by every rank before the barrier in `_metered_group`: its broker unlinks them then
+    client = broker.Client(*broker_paths[dist.get_rank()]) if broker_paths else None
+    from distlab.checks import lab_module
+    from distlab.meters.comm import _CommMeter  # noqa: F401 - imported before learner code
+    audit, finish = sys.audit, _finisher()
     module = lab_module(lab)      # imported before the hook's snapshot, so its classes are watched too
     task = module.TASKS[task_name]
     case = task.cases()[case_index]

@@ -21,7 +21,8 @@ forkserver for the whole submission; hangs end by the launcher's progress
 detection, busy loops at the case's work cap, the notebook's livelock bound
 computed in `grade.prepare`) and sends one record per case: the ranks' raw
 outputs (safetensors bytes, never parsed here; the launcher's wrapper around
-them is read by `plain_loads`), each rank's raw event stream with its key, or
+them is read by `plain_loads`), each rank's raw event stream with its key, what each rank's broker booked
+(`distlab.grading.broker`: started per case before the ranks, on gloo), or
 why the case failed. After a hang, a busy loop or a case that ran past its
 cap, a task's later cases are not run. Then a `done` record, and exit 0: the grader treats
 anything else as a failed submission.
@@ -151,7 +152,7 @@ class _Streams:
 
 def _brokered(job: dict) -> bool:
     """Brokers own the real groups on gloo (CPU) ranks; NCCL's ranks keep theirs (traffic detected, not enforced)."""
-    if not job.get("broker") or job.get("backend") == "nccl":
+    if job.get("backend") == "nccl":
         return False
     import torch
     return job.get("backend") == "gloo" or not torch.cuda.is_available()

@@ -19,10 +19,10 @@ it, and it can never be removed. The kernel then answers EPERM to:
   io_uring_enter and io_uring_register (system calls the filter could not see);
 - every x32 system call (on x86-64).
 
-What already exists keeps working: gloo's own threads were started before the
-filter (they hold its sockets and are not filtered), the store's connection
-is open, and a process group the learner creates later is built by the audit
-hook's group thread (`distlab.grading.audithook`), started before the filter.
+What already exists keeps working: the store's connection is open, the
+pipes to the rank's broker (`distlab.grading.broker`) are open, and every
+gloo group, the learner's later ones included, is built by that broker, a
+process outside the filter (under NCCL, sockets stay open).
 `available()` says whether this machine can install it (Linux on x86-64 or
 aarch64); where it cannot, `confine` does nothing and says so on stderr.
 """
