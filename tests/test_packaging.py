@@ -85,3 +85,17 @@ def test_suite_time_selects_the_chapters_asked_for():
     assert "07_tensor_parallel" in labs and args[args.index("-k") + 1] == " and ".join(f"not {s}" for s in labs)
     args8 = suite_time.selection(8)
     assert {args8[i + 1] for i, a in enumerate(args8) if a == "--ignore"} == after(8) | {"tests/test_cluster.py"}
+
+
+def test_every_notebook_names_its_kernel_as_jupyterlab_saves_it():
+    """Opening a notebook in JupyterLab and saving it must not change it: its kernelspec is the installed
+    ipykernel's own (issue 34: "Python 3" became "Python 3 (ipykernel)" in every file a learner opened)."""
+    import json
+
+    from jupyter_client.kernelspec import KernelSpecManager
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    want = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
+    paths = [p for d in ("notebooks", "labs", "solutions") for p in sorted((ROOT / d).glob("*.ipynb"))]
+    assert len(paths) >= 31
+    wrong = [p.name for p in paths if json.loads(p.read_text())["metadata"].get("kernelspec") != want]
+    assert not wrong, f"kernelspec is not {want} in {wrong}"
