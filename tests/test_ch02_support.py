@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distlab.course.data_parallel.ddp import Bucket
-from distlab.course.data_parallel.measure import backend_for, global_batch, sweep_world_sizes, where
+from distlab.course.data_parallel.measure import backend_for, global_batch, ranks_label, sweep_world_sizes
 from distlab.course.data_parallel.reference import full_batch_gradient, make_model, trainable
 
 
@@ -24,7 +24,7 @@ def test_a_sweep_stays_on_one_backend(monkeypatch, gpus, n_max, want):
     sizes = sweep_world_sizes(n_max)
     assert sizes == want
     assert len({backend_for(n) for n in sizes}) == 1
-    assert where(n_max).endswith("with NCCL" if gpus >= n_max else "with gloo")
+    assert ranks_label(n_max).endswith("with NCCL" if gpus >= n_max else "with gloo")
 
 
 @pytest.mark.parametrize("sizes", [[1, 2, 4], [1], [1, 2, 3], [1, 2, 4, 6], [1, 2, 4, 7], [1, 2, 4, 8]])

@@ -82,7 +82,7 @@ class BucketsTask(Task):
         out = outputs[0]
         order_line, size_line = case.lines
 
-        def where(key: tuple) -> str:
+        def setting(key: tuple) -> str:
             variant, dtype, mb, n = key
             return f"{variant} model, {dtype.replace('torch.', '')}, bucket_size_mb={mb}, N={n}"
 
@@ -94,7 +94,7 @@ class BucketsTask(Task):
                         key = (variant, dtype, mb, n)
                         got = [name for b in out[key] for name in b["params"]]
                         if got != want:
-                            raise CheckFailed(f"{where(key)}: the buckets hold {_short(got)}; expected every trainable "
+                            raise CheckFailed(f"{setting(key)}: the buckets hold {_short(got)}; expected every trainable "
                                               f"parameter once, in reverse order of parameters(): {_short(want)}")
             return "frozen ones left out, a tied one once, reverse order of parameters()"
 
@@ -109,7 +109,7 @@ class BucketsTask(Task):
                         start = 0
                         for i, b in enumerate(out[key]):
                             names = b["params"]
-                            at = f"{where(key)}, bucket {i}"
+                            at = f"{setting(key)}, bucket {i}"
                             offsets = [sum(numel[m] for m in names[:j]) for j in range(len(names))]
                             used = sum(numel[m] for m in names)
                             expect(b["offsets"] == offsets, f"{at}: offsets {b['offsets']}, expected {offsets}")

@@ -47,7 +47,7 @@ def backend_for(world_size: int) -> str:
     return "gloo"
 
 
-def where(world_size: int) -> str:
+def ranks_label(world_size: int) -> str:
     """'2 CPU ranks with gloo' or '2 GPUs with NCCL': what a figure's title says about its points."""
     if backend_for(world_size) == "nccl":
         return f"{world_size} GPU{'s' if world_size > 1 else ''} with NCCL"
