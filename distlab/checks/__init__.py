@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from distlab.checks.task import Case, Line, Task, grade_task, judged, run_task, validate
+from distlab.checks.task import Case, Line, Task, check_line, grade_task, run_task, validate
 from distlab.checks.verdict import CheckFailed, check, compare, expect, reason
 
 # Lab name (the notebook's stem) -> the module holding its tasks.
@@ -42,5 +42,5 @@ def lab_module(lab: str) -> ModuleType:
     return importlib.import_module(LABS[lab])
 
 
-__all__ = ["Case", "Line", "Task", "grade_task", "judged", "run_task", "validate",
+__all__ = ["Case", "Line", "Task", "grade_task", "check_line", "run_task", "validate",
            "CheckFailed", "check", "compare", "expect", "reason", "LABS", "lab_module"]

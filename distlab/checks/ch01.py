@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import CheckFailed, compare
 from distlab.course.collectives import chunk_bounds
 from distlab.meters import track_comm
@@ -185,7 +185,7 @@ class RingTask(Task):
                                           f"{_sizes(numel, n)} elements)")
             return f"point-to-point only, sends {self.words}"
 
-        return [judged(values_line, values), judged(traffic_line, traffic)]
+        return [check_line(values_line, values), check_line(traffic_line, traffic)]
 
 
 TASKS = {t.name: t for t in (

@@ -34,7 +34,7 @@ import torch
 
 import distlab
 from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
-                                 grader, judged, load_weights, on_one_rank, weights_of)
+                                 grader, check_line, load_weights, on_one_rank, weights_of)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.course.data_parallel.reference import make_model, one_thread, sgd, train_single, trainable
 from distlab.meters import track_comm
@@ -166,10 +166,10 @@ class WrapperTask(Task):
         n, lines = case.world_size, list(case.lines)
         verdicts = []
         if case.args.get("broadcast"):
-            verdicts.append(judged(lines.pop(0), lambda: _same_as_rank0(outputs, reference["broadcast"], "broadcast")))
+            verdicts.append(check_line(lines.pop(0), lambda: _same_as_rank0(outputs, reference["broadcast"], "broadcast")))
         for variant in ("frozen", "tied"):
-            verdicts.append(judged(lines.pop(0), lambda v=variant: _matches(outputs, reference[v], v)))
-        verdicts.append(judged(lines.pop(0), lambda: self._traffic(outputs, reference, n)))
+            verdicts.append(check_line(lines.pop(0), lambda v=variant: _matches(outputs, reference[v], v)))
+        verdicts.append(check_line(lines.pop(0), lambda: self._traffic(outputs, reference, n)))
         return verdicts
 
     def _traffic(self, outputs: list, reference: dict, n: int, variant: str = "frozen") -> str:
@@ -360,7 +360,7 @@ class BucketLayoutTask(Task):
                                 for out in outputs], reference[variant]["params"], "start")
             return "every rank holds rank 0's weights"
 
-        return [judged(order, layout), judged(views, in_place), judged(start, broadcast)]
+        return [check_line(order, layout), check_line(views, in_place), check_line(start, broadcast)]
 
 
 TASKS = {t.name: t for t in (

@@ -38,7 +38,7 @@ import torch
 
 import distlab
 from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
-                                 grader, judged, load_weights)
+                                 grader, check_line, load_weights)
 from distlab.checks.verdict import compare, expect
 from distlab.course.data_parallel.reference import full_batch_gradient, make_model, trainable
 from distlab.meters import track_comm
@@ -170,7 +170,7 @@ class InitTask(Task):
                                                              f"holds {(at - p_ptr) // size - r * k} elements, expected {k}")
             return f"rank r updates elements [r*k, (r+1)*k) of flat_param, k = ceil(Psi/N)"
 
-        return [judged(flat_line, flat), judged(start_line, start), judged(shard_line, shard)]
+        return [check_line(flat_line, flat), check_line(start_line, start), check_line(shard_line, shard)]
 
 
 class ReduceScatterTask(Task):
@@ -220,8 +220,8 @@ class ReduceScatterTask(Task):
                             what=f"{variant} weights, rank {r}'s gradient shard")
             return "each rank holds its slice of the full-batch mean gradient"
 
-        return [judged(values_line, values),
-                judged(traffic_line, lambda: _traffic(outputs, {"reduce_scatter": reference["frozen", "bytes"]},
+        return [check_line(values_line, values),
+                check_line(traffic_line, lambda: _traffic(outputs, {"reduce_scatter": reference["frozen", "bytes"]},
                                                       ("frozen", "comm")))]
 
 
@@ -286,7 +286,7 @@ class AllGatherTask(Task):
                 _traffic(outputs, {"all_gather": reference[variant, "bytes"]}, (variant, "comm"))
             return "all-gather only, (N-1)/N x S bytes"
 
-        return [judged(values_line, values), judged(traffic_line, traffic)]
+        return [check_line(values_line, values), check_line(traffic_line, traffic)]
 
 
 TASKS = {t.name: t for t in (InitTask(), ReduceScatterTask(), AllGatherTask(), StepTask(), ScalerTask())}

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, judged
+from distlab.checks.task import Case, Line, Task, check_line
 from distlab.checks.verdict import CheckFailed, expect
 
 K = 8                       # elements of each rank's shard: tiny, fp16 elementwise ops only (no matmul)
@@ -129,8 +129,8 @@ class ScalerTask(Task):
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         skip_line, scale_line, agree_line = case.lines
         facts = _replay(outputs, reference)
-        return [judged(skip_line, lambda: _skip(outputs, facts)), judged(scale_line, lambda: _scale(outputs, facts)),
-                judged(agree_line, lambda: _agree(outputs, facts))]
+        return [check_line(skip_line, lambda: _skip(outputs, facts)), check_line(scale_line, lambda: _scale(outputs, facts)),
+                check_line(agree_line, lambda: _agree(outputs, facts))]
 
 
 def _what(x: torch.Tensor) -> str:

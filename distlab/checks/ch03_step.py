@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, judged
+from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, check_line
 from distlab.checks.verdict import compare, expect
 from distlab.course.data_parallel.reference import make_model, train_single
 from distlab.meters import model_state, track_comm
@@ -67,10 +67,10 @@ class StepTask(Task):
         verdicts = []
         for recipe in RECIPES:
             for variant in ("frozen", "tied"):
-                verdicts.append(judged(lines.pop(0), lambda rc=recipe, v=variant: _matches(outputs, reference, rc, v)))
+                verdicts.append(check_line(lines.pop(0), lambda rc=recipe, v=variant: _matches(outputs, reference, rc, v)))
         for variant in ("frozen", "tied"):
-            verdicts.append(judged(lines.pop(0), lambda v=variant: _sharded(outputs, reference, v, n)))
-        verdicts.append(judged(lines.pop(0), lambda: _step_traffic(outputs, reference, n)))
+            verdicts.append(check_line(lines.pop(0), lambda v=variant: _sharded(outputs, reference, v, n)))
+        verdicts.append(check_line(lines.pop(0), lambda: _step_traffic(outputs, reference, n)))
         return verdicts
 
 

@@ -30,7 +30,7 @@ import torch
 import distlab
 from distlab.course.zero.buckets import describe
 from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, grader,
-                                 judged, load_weights, weights_of)
+                                 check_line, load_weights, weights_of)
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import track_comm
 from distlab.course.models import lm_loss
@@ -127,7 +127,7 @@ class BucketsTask(Task):
                                    f"{at}: closed at {size} B, below bucket_size_mb ({limit:.0f} B)")
             return "buckets close at bucket_size_mb, padded to a multiple of N, laid out one after another"
 
-        return [judged(order_line, order), judged(size_line, sizes)]
+        return [check_line(order_line, order), check_line(size_line, sizes)]
 
 
 def _short(names: list[str]) -> str:
@@ -216,7 +216,7 @@ class ConstructTask(Task):
                                f"(expected {b['chunk']}, on the parameters' device)")
             return "every p.data a view of one flat buffer; the inner optimizer holds this rank's chunks"
 
-        return [judged(weights_line, weights), judged(layout_line, layout)]
+        return [check_line(weights_line, weights), check_line(layout_line, layout)]
 
 
 # ---- 3. _on_grad, _retire ----------------------------------------------------------------------
@@ -303,7 +303,7 @@ class BackwardTask(Task):
                        "returned: launch them with async_op=True and wait in _retire()")
             return "launched from the hooks as each bucket completes, still on the wire at the end of backward"
 
-        return [judged(values_line, values), judged(when_line, when)]
+        return [check_line(values_line, values), check_line(when_line, when)]
 
 
 TASKS = {t.name: t for t in (BucketsTask(), ConstructTask(), BackwardTask(), StepTask(), MemoryTask())}

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, judged, on_one_rank
+from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, check_line, on_one_rank
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import held_bytes, model_state, track_comm, track_memory
 from distlab.course.models import PRESETS, lm_loss, synthetic_batch
@@ -153,7 +153,7 @@ class StepTask(Task):
                                f"expected 2Ψb(N-1)/N = {want:.0f}")
             return "one reduce-scatter and one all-gather per bucket, 2Ψb(N-1)/N algorithmic bytes per step"
 
-        return [judged(match_line, matches), judged(state_line, state), judged(comm_line, traffic)]
+        return [check_line(match_line, matches), check_line(state_line, state), check_line(comm_line, traffic)]
 
 
 # ---- 5. memory (no new code) ---------------------------------------------------------------------
@@ -229,4 +229,4 @@ class MemoryTask(Task):
                        f"a full fp32 gradient is {reference['full_grad']:,} B")
             return "gradients and activations in flight stay below one full gradient on every rank"
 
-        return [judged(states_line, states), judged(peak_line, peak)]
+        return [check_line(states_line, states), check_line(peak_line, peak)]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, draw_seed, drawn_weights, grader, judged, load_weights
+from distlab.checks.task import Case, Line, Task, draw_seed, drawn_weights, grader, check_line, load_weights
 from distlab.checks.verdict import compare, expect
 from distlab.meters import held_bytes, track_comm
 from distlab.course.models import build_model, lm_loss
@@ -122,7 +122,7 @@ class ShardTask(Task):
                        "one broadcast per unit")
             return "4 B per owned element, one broadcast per unit"
 
-        return [judged(values_line, values), judged(only_line, only)]
+        return [check_line(values_line, values), check_line(only_line, only)]
 
 
 # ---- 2. forward ---------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class ForwardTask(Task):
                        f"forward; expected its shards only, {4 * padded // n} B")
             return "Ψ(N-1)/N in one all-gather per unit, only the shards left afterwards"
 
-        return [judged(values_line, values), judged(gather_line, gathers)]
+        return [check_line(values_line, values), check_line(gather_line, gathers)]
 
 
 # ---- 3. backward: gathered again, not kept by autograd -----------------------------------------
@@ -279,7 +279,7 @@ class BackwardTask(Task):
                            f"all-gather per unit ({units})")
             return "one all-gather per unit in forward and again in backward; saved weights stored as markers"
 
-        return [judged(values_line, values), judged(regather_line, regather)]
+        return [check_line(values_line, values), check_line(regather_line, regather)]
 
 
 TASKS = {t.name: t for t in (ShardTask(), ForwardTask(), BackwardTask(), TrainTask(), PrefetchTask(), Bf16Task())}

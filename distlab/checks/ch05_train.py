@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, judged
+from distlab.checks.task import Case, Line, Task, check_line
 from distlab.checks.verdict import expect
 from distlab.meters import held_bytes, track_comm, track_memory
 from distlab.course.models import build_model, lm_loss
@@ -104,8 +104,8 @@ class TrainTask(Task):
                            "(a gathered buffer or a gradient kept somewhere?)")
             return "12 bytes per owned element (parameter, gradient, momentum), nothing else alive"
 
-        return [judged(block_line, matches("per-block units")), judged(whole_line, matches("whole model as one unit")),
-                judged(traffic_line, traffic), judged(only_line, only)]
+        return [check_line(block_line, matches("per-block units")), check_line(whole_line, matches("whole model as one unit")),
+                check_line(traffic_line, traffic), check_line(only_line, only)]
 
 
 # ---- 5. prefetch ---------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class PrefetchTask(Task):
                            "gradients were done: start it when backward reaches unit i (_prefetch(unit, -1))")
             return "one unit ahead: forward gathers unit i+1 while unit i computes, backward unit i-1"
 
-        return [judged(match_line, matches), judged(order_line, order)]
+        return [check_line(match_line, matches), check_line(order_line, order)]
 
 
 # ---- 6. bf16 on the wire (no new code) ---------------------------------------------------------
@@ -234,4 +234,4 @@ class Bf16Task(Task):
             _compare_params(outputs, "params", reference, 5e-2, 0, "gather_dtype=bfloat16")
             return "bf16 gathers and gradients, fp32 shards within 0.05 of one fp32 process"
 
-        return [judged(wire_line, wire), judged(values_line, values)]
+        return [check_line(wire_line, wire), check_line(values_line, values)]

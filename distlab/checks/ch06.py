@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, grader, judged
+from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, grader, check_line
 from distlab.checks.verdict import CheckFailed, compare, expect
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -250,13 +250,13 @@ class WrapTask(Task):
             return "all-gathers (2Ψ - Ψ_root, Ψ without reshard) and a reduce-scatter (Ψ), x 4 B x (N-1)/N"
 
         if len(shape) == 1:
-            return [judged(case.lines[0], units), judged(case.lines[1], params),
-                    judged(case.lines[2], lambda: bytes_line(False))]
+            return [check_line(case.lines[0], units), check_line(case.lines[1], params),
+                    check_line(case.lines[2], lambda: bytes_line(False))]
         def units_and_params() -> str:
             units()
             return params() + ", every parameter sharded on the 2x2 mesh"
 
-        return [judged(case.lines[0], units_and_params), judged(case.lines[1], lambda: bytes_line(True))]
+        return [check_line(case.lines[0], units_and_params), check_line(case.lines[1], lambda: bytes_line(True))]
 
 
 # ---- task 2: predict_traffic -------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class PredictTrafficTask(Task):
                         raise CheckFailed(f"Ψ={psi:g}, Ψ_root={root:g}, R={r}, S={s}, {b:g} B/element: "
                                           f"{kind} {got[kind]:.6g} B, expected {want[kind]:.6g} B")
             return f"exact in {len(cfgs)} cases"
-        return [judged(case.lines[0], lambda: line(TRAFFIC_LAB)), judged(case.lines[1], lambda: line(TRAFFIC_CLUSTER))]
+        return [check_line(case.lines[0], lambda: line(TRAFFIC_LAB)), check_line(case.lines[1], lambda: line(TRAFFIC_CLUSTER))]
 
 
 # ---- task 3: comm_seconds ----------------------------------------------------------------------------
@@ -326,7 +326,7 @@ class CommSecondsTask(Task):
                     raise CheckFailed(f"{c[0] / 1e9:g}B params, {c[1]} node(s) of {c[2]}, "
                                       f"{'HSDP' if c[3] else 'FSDP'}: {got:.4g} s, expected {want:.4g} s")
             return f"right in {len(cases)} cases"
-        return [judged(case.lines[0], lambda: line(SECONDS_CASES[:4])), judged(case.lines[1], lambda: line(SECONDS_CASES[4:]))]
+        return [check_line(case.lines[0], lambda: line(SECONDS_CASES[:4])), check_line(case.lines[1], lambda: line(SECONDS_CASES[4:]))]
 
 
 TASKS = {t.name: t for t in (WrapTask(), PredictTrafficTask(), CommSecondsTask())}

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import distlab
 from distlab.checks.ch07_cp import UlyssesTask, ZigzagTask
 from distlab.checks.ch07_sp import SPBlockTask, SPOpsTask
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.meters import track_comm
 from distlab.course.tensor_parallel.model import build_tp_model
@@ -104,7 +104,7 @@ class FG(Task):
                 expect_traffic(f"rank {r}, g backward", out["g"]["bwd"], {})
             return "f: nothing forward, one all-reduce backward; g: the reverse"
 
-        return [judged(case.lines[0], values), judged(case.lines[1], traffic)]
+        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
 
 
 # ---- Tasks 2-5: one layer at a time -----------------------------------------------------------------
@@ -229,7 +229,7 @@ class LayerTask(Task):
                 expect_traffic(f"rank {r}, backward", out["bwd"], bwd)
             return self.words
 
-        return [judged(case.lines[0], shards), judged(case.lines[1], values), judged(case.lines[2], traffic)]
+        return [check_line(case.lines[0], shards), check_line(case.lines[1], values), check_line(case.lines[2], traffic)]
 
 
 class ColumnTask(LayerTask):
@@ -355,7 +355,7 @@ class TrainTask(Task):
                                    {"all_reduce": (calls, total)})
             return f"{calls} all-reduces of B x S x h per step: 2 forward + 2 backward per block"
 
-        return [judged(case.lines[0], values), judged(case.lines[1], traffic)]
+        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
 
 
 

@@ -19,7 +19,7 @@ import torch
 
 import distlab
 from distlab.checks.ch07_common import E, HANG_HINT, expect_traffic, randn, same, values_line
-from distlab.checks.task import Case, Line, Task, judged
+from distlab.checks.task import Case, Line, Task, check_line
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.course.tensor_parallel.model import attention_core
 from distlab.meters import track_comm
@@ -133,7 +133,7 @@ class ZigzagTask(Task):
                                    "pairs causal attention needs")
             return f"every rank computed 2cp+1 = {2 * cp + 1} block pairs ({per[0]:,} FLOPs)"
 
-        return [judged(case.lines[0], values), judged(case.lines[1], traffic), judged(case.lines[2], balance)]
+        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic), check_line(case.lines[2], balance)]
 
 
 class UlyssesTask(Task):
@@ -189,4 +189,4 @@ class UlyssesTask(Task):
             total = round(ulysses_bytes(CP_B, CP_SEQ, CP_HEADS * CP_HD, cp, bytes_per_element=E))
             return f"4 all-to-alls, 4(cp-1)/cp^2 x B S h e = {total} B per rank"
 
-        return [judged(case.lines[0], layouts), judged(case.lines[1], attention), judged(case.lines[2], traffic)]
+        return [check_line(case.lines[0], layouts), check_line(case.lines[1], attention), check_line(case.lines[2], traffic)]

@@ -10,7 +10,7 @@ import distlab
 from distlab.checks.ch07_common import (ATOL, B, CFG, HANG_HINT, STEPS, TRAIN_ATOL, TRAIN_RTOL, all_reduce_of, block,
                                         expect_traffic, half_of, make_optimizer, metered_pair, randn, same, shard_of,
                                         values_line)
-from distlab.checks.task import Case, Line, Task, judged
+from distlab.checks.task import Case, Line, Task, check_line
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.meters import track_comm
 
@@ -77,7 +77,7 @@ class SPOpsTask(Task):
                                {"all_gather": half_of(numel, t)})
             return "all-gather <-> reduce-scatter, (t-1)/t x B S h each: half an all-reduce"
 
-        return [judged(case.lines[0], values), judged(case.lines[1], traffic)]
+        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
 
 
 class SPBlockTask(Task):
@@ -190,4 +190,4 @@ class SPBlockTask(Task):
             return ("per block 2 all-gathers + 2 reduce-scatters forward and backward (the bytes of TP's "
                     "4 all-reduces), and the replicated parameters' gradients")
 
-        return [judged(case.lines[0], values), judged(case.lines[1], training), judged(case.lines[2], traffic)]
+        return [check_line(case.lines[0], values), check_line(case.lines[1], training), check_line(case.lines[2], traffic)]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged, load_weights
+from distlab.checks.task import Case, Line, Task, grader, check_line, load_weights
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import track_comm, track_memory
 
@@ -187,7 +187,7 @@ class PipelineTask(Task):
             return "one activation per micro-batch and direction, send/recv only"
 
         fns = {"values": values, "activations": activations, "messages": messages}
-        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
+        return [check_line(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
 
 
 # ---- schedule tables beyond 1F1B: interleaved and zero-bubble ------------------------------------------------
@@ -273,7 +273,7 @@ class TableTask(Task):
             return "each rank holds at most 2(p - r - 1) + (v - 1)p + 1 chunk activations"
 
         fns = {"complete": complete, "runs": runs, "bubble": bubble_line, "memory": memory}
-        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
+        return [check_line(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
 
 
 # ---- predict with the planner, then measure ------------------------------------------------------------------
@@ -334,7 +334,7 @@ class PredictTask(Task):
             return f"rank 1 sent {got:,} bytes, as predicted"
 
         fns = {"bubble": bubble, "peak": peak, "bytes": sent}
-        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
+        return [check_line(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
 
 
 from distlab.checks.ch08_mesh import Mesh3DTask  # noqa: E402 - split out: ch08_mesh.py

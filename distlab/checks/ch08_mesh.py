@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.checks.task import Case, Line, Task, judged, load_weights
+from distlab.checks.task import Case, Line, Task, check_line, load_weights
 from distlab.checks.verdict import CheckFailed, compare, expect
 
 from distlab.checks.ch08_common import MICRO, PRESET, SEED, _batch, _drawn_stages, _model_of_stages, _stage_batch
@@ -186,4 +186,4 @@ class Mesh3DTask(Task):
             return "the blocks' f and g: 4 all-reduces per block and micro-batch in the tp group"
 
         fns = {"values": values, "pp": pp_line, "dp": dp_line, "tp": tp_line}
-        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]
+        return [check_line(name, fns[name.rsplit(", ", 1)[1]]) for name in case.lines]

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, judged,
+from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, check_line,
                                  load_weights)
 from distlab.checks.verdict import CheckFailed, compare, expect
 
@@ -160,4 +160,4 @@ class OffloadTask(Task):
 
         fns = {"host": host, "device": device, "streamed": streamed, "released": released,
                "values": values, "traffic": traffic}
-        return [judged(name, fns[name.rsplit(", ", 1)[1]]) for name in names]
+        return [check_line(name, fns[name.rsplit(", ", 1)[1]]) for name in names]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, judged
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import CheckFailed, compare, expect
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
@@ -114,7 +114,7 @@ class LoaderTask(Task):
                            "(step, rank, world_size, batch_size, n_windows, seed) only")
             return "the same global batch at any world size, from the step alone"
 
-        return [judged(split, disjoint), judged(again, resumable)]
+        return [check_line(split, disjoint), check_line(again, resumable)]
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class CheckpointTask(Task):
                                               f"vector, s = ceil(numel / {m}), zero-padded)")
                 return "every rank's parameters and AdamW moments, exact"
             return check
-        return [judged(line, loaded_at(m)) for line, m in zip(case.lines, LOAD_N)]
+        return [check_line(line, loaded_at(m)) for line, m in zip(case.lines, LOAD_N)]
 
 
 TASKS = {t.name: t for t in (LoaderTask(), CheckpointTask())}

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import distlab
 from distlab.checks.ch07_common import comm_of, expect_traffic, make_optimizer, same, values_line
-from distlab.checks.task import Case, Line, Task, draw_seed, drawn_weights, grader, judged, load_weights
+from distlab.checks.task import Case, Line, Task, draw_seed, drawn_weights, grader, check_line, load_weights
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.course.data_parallel.reference import one_thread
 from distlab.course.moe.layer import MoEConfig, build_moe_model, capacity, load_balancing_loss, moe_loss, route
@@ -117,7 +117,7 @@ class RouterTask(Task):
                 same(got["slot"], want["slot"], f"slots ({where}; -1 = dropped)", 0, 0)
             return "first choices before second ones, in token order; the rest dropped (-1)"
 
-        return [judged(case.lines[0], gates), judged(case.lines[1], kept)]
+        return [check_line(case.lines[0], gates), check_line(case.lines[1], kept)]
 
 
 class AuxLossTask(Task):
@@ -171,7 +171,7 @@ class AuxLossTask(Task):
                 same(got["grad"], want["grad"], f"d loss / d logits ({['random', 'skewed'][i]} logits)")
             return "through P_e only (f_e counts, it has no gradient)"
 
-        return [judged(case.lines[0], value), judged(case.lines[1], grad)]
+        return [check_line(case.lines[0], value), check_line(case.lines[1], grad)]
 
 
 # ---- dispatch and combine (2 and 4 ranks) ----------------------------------------------------------------------
@@ -254,7 +254,7 @@ class DispatchTask(Task):
                 expect_traffic(f"rank {r}, backward", out["backward"], {"all_to_all": (2, send + back)})
             return "dispatch: counts + one uneven all-to-all; combine: one; backward: one each, the formula's bytes"
 
-        return [judged(case.lines[0], values), judged(case.lines[1], grads), judged(case.lines[2], traffic)]
+        return [check_line(case.lines[0], values), check_line(case.lines[1], grads), check_line(case.lines[2], traffic)]
 
 
 # ---- an expert-parallel layer, trained (2 and 4 ranks) ---------------------------------------------------------
@@ -387,7 +387,7 @@ class EPLayerTask(Task):
                     expect_traffic(f"rank {r}, step {s}", stats, {"all_to_all": (calls, total)})
             return "per MoE layer: counts + 2 uneven all-to-alls forward, 2 backward; the formula's bytes"
 
-        return [judged(case.lines[0], values), judged(case.lines[1], traffic)]
+        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (RouterTask(), AuxLossTask(), DispatchTask(), EPLayerTask())}

@@ -128,14 +128,14 @@ class Task:
         return None
 
     def judge(self, case: Case, outputs: list[Any], reference: Any) -> list[Line]:
-        """Verdicts from every rank's raw outputs; pure. Use `judged` for each line."""
+        """Verdicts from every rank's raw outputs; pure. Use `check_line` for each line."""
         raise NotImplementedError
 
     def lines(self) -> list[str]:
         return [name for case in self.cases() for name in case.lines]
 
 
-def judged(name: str, fn: Callable[[], Any]) -> Line:
+def check_line(name: str, fn: Callable[[], Any]) -> Line:
     """A Line from `fn()`: PASS with its return value as detail, FAIL with the reason it raised.
 
     Anything `fn` raises becomes a FAIL (a malformed output from a rank
