@@ -94,6 +94,19 @@ def ring_reduce_scatter(tensor, op=dist.ReduceOp.SUM):
     raise RuntimeError("PROBE " + json.dumps(_seen, separators=(",", ":")))
 '''
 
+# Issue 38: the rank's request pipe to its broker, found through /proc/self/fd, given a forged 'region end' for
+# the check's first traffic region (what would cut its traffic short): the broker books the marker as forged.
+FORGED_REGION = '''
+import json, os, struct
+for _fd in os.listdir("/proc/self/fd"):
+    try:
+        if "/req" in os.readlink("/proc/self/fd/" + _fd):
+            _msg = json.dumps({"do": "region", "edge": "end", "k": 0}).encode()
+            os.write(int(_fd), struct.pack(">II", len(_msg), 0) + _msg)
+    except OSError:
+        pass
+''' + "RING"
+
 
 def _probe(r) -> dict:
     """The JSON an attack put in its failure line after PROBE (the line may go on: where it was raised)."""
@@ -172,6 +185,7 @@ def _grade_everything(tmp_path_factory, labs):
         attacks = mk.kernel_attacks()
         ch1, good, rs, _ = mk._ch1()
         attacks["k_reach_into_self"] = mk.submission(ch1, dict(good, **{rs: REACH_INTO_SELF}))
+        attacks["k_forged_region"] = mk.submission(ch1, dict(good, **{rs: FORGED_REGION.replace("RING", good[rs])}))
         alone = {name: attacks.pop(name) for name in mk.KERNEL_ALONE}
         shared = {**{name: src for name, src in routes.items() if name not in mk.ATTACKS_ALONE}, **attacks}
         shared["honest"] = shared.pop("honest")
@@ -452,6 +466,10 @@ def test_a_rank_that_reaches_into_its_own_process_finds_no_real_process_group(gr
     r = graded.kernel["k_reach_into_self"]
     assert _probe(r) == {"groups": []}, r.verdicts[0].judged
     assert r.score == 0 and any("<frozen x>" in f for f in r.flags), r.flags
+    # a region marker written into the rank's own pipe to its broker is booked by the broker as forged
+    forged = graded.kernel["k_forged_region"]
+    assert forged.score == 0 and any("region: a traffic region marker the check did not send (end 0)" in f
+                                     for f in forged.flags), forged.flags
 
 
 @needs_bwrap
