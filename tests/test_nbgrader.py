@@ -5,8 +5,8 @@ its verdict lines passed, as `distlab grade` counts them.
 nbgrader runs in this process through its own API (`NbGraderAPI`, what its `generate_assignment` and
 `autograde` commands run), with the course's `nbgrader_config.py`: a second interpreter would only import
 nbgrader again. Lab 01 is the cheapest lab to run. One hand-in (one kernel) covers both ends: the solution's
-answers to tasks 1 and 2 (full points each) and tasks 3 and 4 left as released (0 points each). `distlab
-grade` gives that hand-in 12/24 as well (6 per task, 1 per verdict line); the whole solution 24/24 and the
+answer to task 1 (full points) and tasks 2 to 4 left as released (0 points each). `distlab grade` gives
+that hand-in 6/24 as well (6 per task, 1 per verdict line); the whole solution 24/24 and the
 unfilled lab 0/24 under both (README, *Labs as nbgrader assignments*).
 """
 from __future__ import annotations
