@@ -349,6 +349,10 @@ def test_each_lab_names_its_library_shortcuts_and_the_grader_finds_them_in_the_s
     assert shortcuts.named("03_zero1", ["opt = torch.distributed.optim.ZeroRedundancyOptimizer(ps, Adam)"]) == [
         "your answer cells use ZeroRedundancyOptimizer: this lab asks you to write it yourself"]
     assert shortcuts.named("08_pipeline", ["from torch.distributed.pipelining import pipeline"]) != []
+    # lab 03's LossScaler wrapping torch's own scaler, plain or FSDP2's sharded one
+    assert shortcuts.named("03_zero1", ["self.inner = torch.amp.GradScaler('cpu')"]) == [
+        "your answer cells use GradScaler: this lab asks you to write it yourself"]
+    assert shortcuts.named("03_zero1", ["from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler"]) != []
     assert shortcuts.named("07_tensor_parallel", ["parallelize_module(m, mesh, plan)"]) != []
     # a comment or a string is not a use; lab 6 is the FSDP lab; every solution names none of its own
     assert shortcuts.named("02_ddp", ["# unlike DistributedDataParallel\nx = 'DistributedDataParallel'"]) == []

@@ -2,7 +2,7 @@
 
 Lab 02 asks for data parallelism by hand, so its answers may not be (or wrap)
 `DistributedDataParallel`; lab 03-05's sharded optimizers may not be
-`ZeroRedundancyOptimizer` or FSDP; lab 07's layers may not be PyTorch's
+`ZeroRedundancyOptimizer` or FSDP, and lab 03's loss scaler not `GradScaler`; lab 07's layers may not be PyTorch's
 tensor-parallel styles; lab 08's schedules may not be `torch.distributed.pipelining`.
 Lab 01's rings may run point-to-point operations only, in every call of the
 check (`ONLY_OPS`, from the ops the audit hook booked); lab 06 is the FSDP lab
@@ -30,13 +30,16 @@ FSDP1 = ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedData
 FSDP2 = ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "fully_shard")
 TP = tuple(("torch.distributed.tensor.parallel.style", c, c) for c in (
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"))
+# Lab 03's loss scaler: torch's (FSDP2's sharded one is a subclass, so its construction runs GradScaler's too).
+SCALER = (("torch.amp.grad_scaler", "GradScaler", "GradScaler"),
+          ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler", "ShardedGradScaler"))
 PP = (("torch.distributed.pipelining.stage", "_PipelineStageBase", "PipelineStage"),
       ("torch.distributed.pipelining.schedules", "_PipelineSchedule", "ScheduleGPipe"))
 
 SHORTCUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "01_collectives": (),
     "02_ddp": (DDP, FSDP1, FSDP2, ZERO),
-    "03_zero1": (ZERO, FSDP1, FSDP2),
+    "03_zero1": (ZERO, FSDP1, FSDP2, *SCALER),
     "04_zero2": (ZERO, FSDP1, FSDP2),
     "05_zero3": (ZERO, FSDP1, FSDP2),
     "06_fsdp": (),
