@@ -84,10 +84,10 @@ def test_rejects_bad_hyperparameters(kwargs):
         MixedPrecisionAdam([torch.nn.Parameter(torch.ones(2))], **kwargs)
 
 
-# ---- chapter 3's model of a low-precision gradient reduction (distlab.course.precision) ---------------------
+# ---- chapter 3's model of a low-precision gradient reduction (distlab.theory.precision) ---------------------
 
 def test_unit_roundoff_and_the_bound_above_the_rms_model():
-    from distlab.course.precision import reduction_error_bound, reduction_error_rms, unit_roundoff
+    from distlab.theory.precision import reduction_error_bound, reduction_error_rms, unit_roundoff
     assert (unit_roundoff(torch.bfloat16), unit_roundoff(torch.float16), unit_roundoff(torch.float32)) == (
         2.0**-8, 2.0**-11, 2.0**-24)
     assert reduction_error_bound(4, torch.bfloat16) == 4 * 2.0**-8          # 3 additions + the cast
@@ -101,7 +101,7 @@ def test_unit_roundoff_and_the_bound_above_the_rms_model():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_rms_model_matches_a_ring_summed_in_one_process(dtype):
     # a ring's additions, in order, each rounded to the reduce dtype (elementwise ops: fast without native bf16)
-    from distlab.course.precision import reduction_error_rms
+    from distlab.theory.precision import reduction_error_rms
     gen = torch.Generator().manual_seed(0)
     for n in (2, 4, 8):
         g = torch.randn(n, 2**15, generator=gen)

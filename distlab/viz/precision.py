@@ -9,10 +9,10 @@ import torch
 def reduction_error_figure(ns: Sequence[int], measured: dict, *, title: str = "") -> None:
     """`measured[(kind, dtype_name)]`: one relative error per n in `ns` (kind: 'all_reduce' or
     'reduce_scatter'; dtype_name: 'bfloat16' or 'float32'). Draws the points, the RMS model of
-    `distlab.course.precision` (solid) and the one-sign worst case N·u (dashed), per reduce dtype, log y."""
+    `distlab.theory.precision` (solid) and the one-sign worst case N·u (dashed), per reduce dtype, log y."""
     import matplotlib.pyplot as plt
 
-    from distlab.course.precision import reduction_error_bound, reduction_error_rms
+    from distlab.theory.precision import reduction_error_bound, reduction_error_rms
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     grid = list(range(min(ns), max(ns) + 1))
     for name, color in (("bfloat16", "#c64"), ("float32", "#27a")):
