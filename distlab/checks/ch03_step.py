@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, check_line
+from distlab.checks.task import Case, Line, Task, check_line, drawn_batch_shards, full_batches, on_one_rank
 from distlab.checks.verdict import compare, expect
 from distlab.course.data_parallel.reference import make_model, train_single
 from distlab.meters import model_state, track_comm
@@ -59,8 +59,7 @@ class StepTask(Task):
     def reference(self, case: Case, inputs: list | None = None) -> dict:
         if inputs is None:
             return _step_reference()
-        from distlab.engine.launch import launch
-        return launch(_step_reference_on_rank, 1, args=(full_batches(inputs, STEPS),))[0]
+        return on_one_rank(_step_reference_on_rank, full_batches(inputs, STEPS))
 
     def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
         n, lines = case.world_size, list(case.lines)
@@ -79,8 +78,7 @@ def _step_reference() -> dict:
     """On one rank of the graded ranks' backend, so on their device: on a GPU the bf16 recipe computes in
     bf16 there, and a CPU reference (fp32 compute) would sit further from a right answer than the
     recipe's tolerance allows. On CPU ranks it is the CPU, as before."""
-    from distlab.engine.launch import launch
-    return launch(_step_reference_on_rank, 1)[0]
+    return on_one_rank(_step_reference_on_rank)
 
 
 def _step_reference_on_rank(batches: list | None = None) -> dict:

@@ -8,7 +8,7 @@ import torch
 
 import distlab
 from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, check_line,
-                                 load_weights)
+                                 load_weights, on_one_rank)
 from distlab.checks.verdict import CheckFailed, compare, expect
 
 from distlab.checks.ch08_common import OFFLOAD_BATCH, OFFLOAD_LR, OFFLOAD_STEPS, OFFLOAD_WD, PRESET, SEED
@@ -97,8 +97,7 @@ class OffloadTask(Task):
     def reference(self, case: Case, inputs: list | None = None) -> Any:
         if self.kind != "step":
             return None
-        from distlab.engine.launch import launch
-        return launch(_plain_offload_reference, 1, args=(None if inputs is None else inputs[0],))[0]
+        return on_one_rank(_plain_offload_reference, None if inputs is None else inputs[0])
 
     def judge(self, case: Case, outputs: list, reference: Any) -> list[Line]:
         o = outputs[0]

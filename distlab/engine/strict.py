@@ -154,27 +154,20 @@ class _Pending:
     def __init__(self) -> None:
         self.works: list[StrictWork] = []
 
-    def complete_joined(self, tensors: list[torch.Tensor]) -> None:
+    def complete_joined(self, tensors: list[torch.Tensor], *, join: bool = False) -> None:
         """Complete each joined op whose outputs overlap `tensors`: a GPU stream runs it before them.
-        (An unjoined op is not waited for: on a GPU nothing orders a read after it.)"""
+        (An unjoined op is not waited for: on a GPU nothing orders a read after it.) `join=True` joins the
+        overlapping ops first: `tensors` are functional collectives' results about to be used, and their use
+        waits for them (`wait_tensor`), so a GPU stream orders it after them too."""
         if not self.works:
             return
         spans = [_span(t) for t in tensors if isinstance(t, torch.Tensor) and t.numel() and t.device.type == "cpu"]
         with _LOCK:
             works = list(self.works)
         for w in works:
-            if w.joined and not w.done and any(a < d and c < b for a, b in spans for c, d in w.spans):
-                w.complete()
-
-    def complete_waited(self, tensors: list[torch.Tensor]) -> None:
-        """Join and complete each op whose outputs overlap `tensors`, results of functional collectives
-        about to be used: their use waits for them (`wait_tensor`), so a GPU stream orders it after them."""
-        spans = [_span(t) for t in tensors if t.numel() and t.device.type == "cpu"]
-        with _LOCK:
-            works = list(self.works)
-        for w in works:
-            if not w.done and any(a < d and c < b for a, b in spans for c, d in w.spans):
-                w.wait()
+            if (join or w.joined) and not w.done and any(a < d and c < b for a, b in spans for c, d in w.spans):
+                if join:
+                    w.wait()
                 w.complete()
 
     def complete_all(self) -> None:
@@ -371,7 +364,7 @@ class StreamOrder(TorchDispatchMode):
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
             waited = [r for r in map(_collective_result, leaves) if r is not None]
             if waited:      # this op's first act is wait_tensor on them (AsyncCollectiveTensor's dispatch)
-                _PENDING.complete_waited(waited)
+                _PENDING.complete_joined(waited, join=True)
             _PENDING.complete_joined(leaves)
         return func(*args, **kwargs)
 
