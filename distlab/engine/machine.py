@@ -33,3 +33,15 @@ def machine() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_native_bf16": _cpu_native_bf16(),
     }
+
+
+def machine_line() -> str:
+    """One line naming the machine a notebook's outputs came from, printed by each lecture's first cell so
+    that committed timings say where they were measured (they are not comparable across machines)."""
+    m = machine()
+    if m["gpu_count"]:
+        where = f"{m['gpu_count']} x {m['device_kind']}, NCCL {m['nccl_version']}"
+    else:
+        bf16 = "native bf16" if m["cpu_native_bf16"] else "no native bf16"
+        where = f"CPU ({m['cpu_capability']}, {bf16}), {m['cpu_count']} cores, gloo"
+    return f"machine: {where}; torch {m['torch_version']}, Python {m['python_version']}"
