@@ -95,8 +95,9 @@ def test_killed_rank_on_a_mesh_then_resume_in_one_process_continues_the_curve(tm
     one process loads them resharded and continues one process's curve."""
     cfg = dict(steps=6, ckpt_dir=str(tmp_path), ckpt_every=3, **TINY)
     full = train(TrainConfig(steps=6, **TINY))
-    with pytest.raises(distlab.RankFailed, match="-9"):
-        distlab.launch(train, 2, args=(TrainConfig(strategy="dp_tp", kill=(1, 4), **cfg),))
+    from distlab.engine.launch import FaultInjected, run_on_ranks
+    with pytest.raises(FaultInjected, match="rank 1 was killed with SIGKILL at step 4"):
+        run_on_ranks(train, 2, args=(TrainConfig(strategy="dp_tp", **cfg),), fault=(1, "step 4"))
     assert ckpt.latest(tmp_path).name == "step_000003"
     resumed = train(TrainConfig(strategy="single", resume=True, **{**cfg, "ckpt_every": 0}))
     assert resumed.resumed_from == 3

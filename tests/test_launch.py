@@ -248,3 +248,27 @@ def test_a_hang_names_the_notebook_cell_its_line_and_the_rank_that_never_sent(no
     assert text == (f"hung: rank(s) [1] waited 2 s for each other; rank 1 waits in wait_for_rank_0 (cell [{count}], "
                     "line 5: `dist.recv(torch.zeros(1), 0)   # rank 0 never sends`), inside dist.recv; "
                     "rank(s) [0] had already returned, so what the waiting rank(s) expect from it was never sent")
+
+
+def _steps_with_a_fault_point(steps):
+    from distlab.engine.launch import fault_point
+    for step in range(steps):
+        fault_point("step", step)
+        t = torch.ones(1)
+        dist.all_reduce(t)                  # the other ranks wait here for the killed one
+    return distlab.rank()
+
+
+def test_an_injected_fault_kills_the_armed_rank_from_outside_and_stops_the_others(no_orphans):
+    from distlab.engine.launch import FaultInjected, LaunchError
+    with pytest.raises(FaultInjected) as info:
+        run_on_ranks(_steps_with_a_fault_point, 3, args=(5,), fault=(1, "step 2"))
+    e = info.value
+    assert (e.rank, e.point, e.others) == (1, "step 2", [0, 2])
+    assert "rank 1 was killed with SIGKILL at step 2" in str(e) and "injected by the launcher" in str(e)
+    # unarmed, the points cost nothing; armed at a point no rank reaches, the launch says so
+    assert run_on_ranks(_steps_with_a_fault_point, 2, args=(2,)) == [0, 1]
+    with pytest.raises(LaunchError, match="never reached"):
+        run_on_ranks(_steps_with_a_fault_point, 2, args=(2,), fault=(0, "step 9"))
+    with pytest.raises(ValueError, match="ranks 0..1"):
+        run_on_ranks(_steps_with_a_fault_point, 2, args=(2,), fault=(2, "step 0"))

@@ -25,12 +25,20 @@ same stacks. `timeout` is only a last-resort cap on the whole launch.
 Failures come back as `RankFailed` / `LaunchStalled` / `LaunchOverran` /
 `LaunchTimeout`, and no process is left behind in any case, Jupyter's
 interrupt included.
+
+A fault on purpose: `run_on_ranks(..., fault=(1, "step 7"))` arms rank 1 at
+the point its code names with `fault_point("step", 7)`. When rank 1 gets
+there it tells the launcher and waits; the launcher SIGKILLs it from outside
+(a process killed by the kernel, as an out-of-memory killer or a lost node
+would: no Python cleanup, no error report), stops every other rank and raises
+`FaultInjected`, which names the rank and the point.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import io
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -82,6 +90,19 @@ class RankFailed(LaunchError):
             text += f"\n(the other ranks were stopped; {others})"
         text += f"\n--- traceback on rank {rank} ---\n{traceback.rstrip()}"
         super().__init__(text)
+
+
+class FaultInjected(LaunchError):
+    """The launcher killed rank `rank` at `point` because `run_on_ranks(fault=...)` asked it to."""
+
+    def __init__(self, rank: int, point: str, others: list[int]):
+        self.rank, self.point, self.others = rank, point, list(others)
+        stopped = f"the other ranks {others} were stopped" if others else "no other rank was still running"
+        super().__init__(
+            f"rank {rank} was killed with SIGKILL at {point}: a fault injected by the launcher "
+            f"(run_on_ranks(fault=({rank}, {point!r}))), not an error in the rank's code; {stopped}. "
+            "Nothing the killed rank held in memory survives: a run that saved checkpoints resumes from the "
+            "newest complete one.")
 
 
 class LaunchTimeout(LaunchError):
@@ -225,6 +246,55 @@ def _innermost(stack: str) -> str:
         if os.sep + "distlab" + os.sep in path:
             return f"{fn} ({os.path.basename(path)}, line {lineno})"
     return ""
+
+
+# The armed fault of this launch, as the ranks see it: {"rank": r, "point": "step 7", "file": path}.
+FAULT_ENV = "DISTLAB_FAULT"
+# How long an armed rank waits at its fault point for the launcher's SIGKILL before it gives up.
+FAULT_WAIT_S = 60.0
+
+
+def fault_label(name: str, index: int | None = None) -> str:
+    """'step 7': how a fault point is named in `run_on_ranks(fault=(rank, label))` and in the error."""
+    return name if index is None else f"{name} {index}"
+
+
+def fault_point(name: str, index: int | None = None) -> None:
+    """A place in a rank's code where the launcher may inject a fault: `fault_point("step", step)`.
+
+    Does nothing unless this launch armed this rank at this point (`run_on_ranks(fault=(rank, "step 7"))`).
+    Then the rank writes a file the launcher watches, and waits: the launcher kills it from outside with
+    SIGKILL, so it dies the way a real fault kills a process, with no Python code run after this line.
+    Costs one environment lookup when nothing is armed (no launcher, torchrun, or another rank).
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    armed = json.loads(spec)
+    if int(os.environ.get("RANK", "-1")) != armed["rank"] or fault_label(name, index) != armed["point"]:
+        return
+    tmp = armed["file"] + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(armed["point"])
+    os.replace(tmp, armed["file"])          # the launcher sees the whole file or none
+    deadline = time.monotonic() + FAULT_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)                    # the launcher's SIGKILL lands here
+    raise RuntimeError(f"rank {armed['rank']} reached its injected fault at {armed['point']} and waited "
+                       f"{FAULT_WAIT_S:g} s, but the launcher never killed it (was it stopped?)")
+
+
+def _check_fault(fault: Any, world_size: int) -> tuple[int, str] | None:
+    if fault is None:
+        return None
+    if (not isinstance(fault, (tuple, list)) or len(fault) != 2 or isinstance(fault[0], bool)
+            or not isinstance(fault[0], int) or not isinstance(fault[1], str)):
+        raise TypeError(f"fault= takes (rank, point), e.g. (1, 'step 7') for the rank's fault_point('step', 7); "
+                        f"got {fault!r}")
+    if not 0 <= fault[0] < world_size:
+        raise ValueError(f"fault=({fault[0]}, {fault[1]!r}) names rank {fault[0]}, but the launch has ranks "
+                         f"0..{world_size - 1}")
+    return int(fault[0]), fault[1]
 
 
 def gpu_count() -> int:
@@ -468,9 +538,11 @@ def _root_cause(failed: dict[int, dict[str, Any]]) -> int:
 
 
 def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, stall_s: float,
-          loads: Callable[[bytes], Any] = cloudpickle.loads, work_cap: float | None = None) -> list[Any]:
+          loads: Callable[[bytes], Any] = cloudpickle.loads, work_cap: float | None = None,
+          fault: tuple[int, str] | None = None) -> list[Any]:
     """Wait until every rank reports; on the first failure, a stall, a rank past `work_cap` CPU seconds
-    or the deadline, raise.
+    or the deadline, raise. When the rank armed by `fault` reaches its point, kill it and raise
+    `FaultInjected`.
 
     A rank reports on its pipe ("ok" or "err"); a rank that dies without a
     report is seen through its process sentinel.
@@ -482,6 +554,11 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
     monitor = procs.ProgressMonitor()
     last_work = start
     while pending:
+        if fault is not None and os.path.exists(os.path.join(workdir, f"rank{fault[0]}.fault")):
+            victim = ranks[fault[0]]
+            os.kill(victim.pid, signal.SIGKILL)           # from outside: the rank runs no more Python
+            victim.join(timeout=5)
+            raise FaultInjected(fault[0], fault[1], sorted(pending - {fault[0]}))
         now = time.monotonic()
         if now >= deadline:
             raise LaunchTimeout(sorted(pending), timeout_s)
@@ -543,6 +620,9 @@ def _wait(ranks: list[Any], pipes: list[Any], workdir: str, timeout_s: float, st
             if len(failed) > 1:
                 others = "; ".join(filter(None, [others, f"also failed: {sorted(set(failed) - {r})}"]))
             raise RankFailed(r, err["type"], err["message"], err["traceback"], others)
+    if fault is not None:
+        raise LaunchError(f"the fault armed at rank {fault[0]}, {fault[1]!r}, was never reached: every rank "
+                          f"returned. Does rank {fault[0]}'s code call fault_point with that name and index?")
     results = []
     for r in range(len(ranks)):
         with open(os.path.join(workdir, f"rank{r}.ok"), "rb") as f:
@@ -596,8 +676,9 @@ def _check_arguments(args: Any, kwargs: Any) -> tuple[tuple, dict]:
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list = (), kwargs: dict | None = None,
                  backend: str | None = None, stall: float | None = None, strict: bool | None = None,
                  timeout: float | None = None, audit: bool | None = None,
-                 loads: Callable[[bytes], Any] | None = None, work_cap: float | None = None) -> list[Any]:
-    """`launch` with the options the grader, the tour and the test suite also need.
+                 loads: Callable[[bytes], Any] | None = None, work_cap: float | None = None,
+                 fault: tuple[int, str] | None = None) -> list[Any]:
+    """`launch` with the options the grader, the tour, the lectures and the test suite also need.
 
     `timeout` (seconds, default 4 h): a last-resort cap on the whole launch
     (raises `LaunchTimeout`). `audit` (default: $DISTLAB_DEVICE_AUDIT): on CPU
@@ -618,6 +699,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list 
     sample, as `LaunchStalled` does. CPU time, not wall time: a loaded machine
     slows a healthy rank's clock, not its work. (A graded check passes a cap
     derived from its reference's time, `distlab.checks.task.work_cap_for`.)
+    `fault` ((rank, point), default None): inject a fault. Rank `rank` is killed with SIGKILL by this
+    process when its code reaches `fault_point(name, index)` with `fault_label(name, index) == point`
+    ("step 7"); every other rank is stopped and the launch raises `FaultInjected`. A launch that ends
+    without reaching the point raises `LaunchError`.
     """
     args, kwargs = _check_arguments(args, kwargs)
     world_size = _check_world_size(world_size)
@@ -630,6 +715,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list 
     audit = audit_requested() if audit is None else bool(audit)
     strict = (_strict.requested() if strict is None else bool(strict)) and backend == "gloo"
     audit = audit or strict
+    fault = _check_fault(fault, world_size)
     payload = _pickle_payload(fn, args, kwargs)
     # Quiet c10d's C++ INFO/WARNING lines in the ranks (they vary run to run).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -641,18 +727,22 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple | list 
                           timeout=timedelta(seconds=timeout))
     ranks: list[Any] = []
     pipes: list[Any] = []
+    settings = {k: v for k, v in _settings().items() if k != FAULT_ENV}   # a fault is armed per launch
+    if fault is not None:
+        settings[FAULT_ENV] = json.dumps({"rank": fault[0], "point": fault[1],
+                                          "file": os.path.join(workdir, f"rank{fault[0]}.fault")})
     try:
         for r in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_runtime.worker_main, name=f"distlab-rank{r}",
                             args=(r, world_size, backend, store.port, payload, workdir,
-                                  timeout, send_end, audit, stall, strict, _settings()))
+                                  timeout, send_end, audit, stall, strict, settings))
             with _without_main_module():
                 p.start()
             send_end.close()  # the child holds the only write end: EOF means it died
             ranks.append(p)
             pipes.append(recv_end)
-        results = _wait(ranks, pipes, workdir, timeout, stall, loads or cloudpickle.loads, work_cap)
+        results = _wait(ranks, pipes, workdir, timeout, stall, loads or cloudpickle.loads, work_cap, fault)
         store.set(_runtime.EXIT_KEY, "1")  # every rank succeeded: let them leave together
         for p in ranks:
             p.join(timeout=10)

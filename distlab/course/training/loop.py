@@ -13,16 +13,16 @@ ranks of one tensor-parallel group read the same rows and log the same loss, so 
 
 Switches: `accumulate=k` splits each rank's rows into k micro-batches and communicates only in the last
 backward (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`); `recompute=True` recomputes each block's
-activations in backward (`torch.utils.checkpoint`); `kill=(rank, step)` makes that rank SIGKILL itself at the
-start of that step (a fault, injected from inside the rank: the launcher sees a rank die); `resume=True`
+activations in backward (`torch.utils.checkpoint`); `resume=True`
 continues from the newest complete checkpoint in `ckpt_dir`, at this run's world size and strategy;
 `profile_dir` writes a `torch.profiler` Chrome trace per rank of two steps.
+
+A fault: every step starts at `fault_point("step", step)`, where the launcher can kill a rank from outside
+(`run_on_ranks(train, 4, args=(cfg,), fault=(3, "step 25"))`: rank 3 is SIGKILLed when it starts step 25).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distlab.engine.launch import fault_point
 from distlab.course.models import GPTConfig, build_model, lm_loss
 from distlab.course.training import checkpoint as ckpt
 from distlab.course.training.corpus import VOCAB, corpus
@@ -55,7 +56,6 @@ class TrainConfig:
     ckpt_dir: str | None = None
     ckpt_every: int = 0
     resume: bool = False
-    kill: tuple[int, int] | None = None   # (rank, step): that rank SIGKILLs itself at the start of that step
     accumulate: int = 1
     recompute: bool = False
     tp: int = 2                   # the tensor-parallel size of strategy "dp_tp" (the mesh is world/tp x tp)
@@ -169,8 +169,7 @@ def train(cfg: TrainConfig, classes: dict[str, Any] | None = None, step_fn: Any 
         run.resumed_from = int(meta["step"])
     prof = _profiler(cfg, r, loader.step)
     for step in range(loader.step, cfg.steps):
-        if cfg.kill is not None and tuple(cfg.kill) == (r, step):
-            os.kill(os.getpid(), signal.SIGKILL)   # a fault: this rank dies here, mid-run, without a word
+        fault_point("step", step)                # the launcher's injected fault, when one is armed here
         rt.progress(f"{cfg.strategy}: step {step} of {cfg.steps}")
         sync(device)
         start = time.perf_counter()
