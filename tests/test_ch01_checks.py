@@ -1,6 +1,7 @@
 """Chapter 1's graded checks catch wrong, cheating and hanging answers, not only missing ones."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -111,11 +112,27 @@ def test_forged_outputs_are_judged_outside_the_ranks(no_orphans):
     from distlab.checks import run_task
     from distlab.checks.ch01 import TASKS
 
-    class Forger(type(TASKS["reduce_scatter"])):
-        def exercise(self, case, fn):
-            return {"results": {"not": "tensors"}, "comm": 42}
+    def forged(case, fn):
+        return {"results": {"not": "tensors"}, "comm": 42}
 
-    t = TASKS["reduce_scatter"]
-    forger = Forger("reduce_scatter", "ring_reduce_scatter", t.expected_sent, t.words)
+    forger = dataclasses.replace(TASKS["reduce_scatter"], exercise_fn=forged)
     out = _lines(run_task(forger, [lambda tensor, op=None: tensor]))
     assert all(line.startswith("FAIL") and "malformed result" in line for line in out), out
+
+
+def test_a_missing_output_names_what_was_missing_and_which_answer_it_comes_from():
+    # issue 34: a KeyError while judging used to read "malformed result from the ranks (KeyError)"
+    from distlab.checks.ch01 import TASKS
+    from distlab.checks.task import Case
+    t = TASKS["all_gather"]
+    case = t.cases()[0]
+    lines = t.judge(case, [{"results": {}}, {"results": {}}], {(7, "torch.float32", "sum"): None})
+    assert [str(line) for line in lines] == [
+        "FAIL all_gather, 2 ranks, values: malformed result from the ranks: no (7, 'torch.float32', 'sum') in what "
+        "they returned (recorded on each rank by distlab.checks.ch01.ring_exercise): it comes from your "
+        "ring_all_gather; did your ring_all_gather set (7, 'torch.float32', 'sum') (an attribute, or a key of what "
+        "it returns) on every rank?",
+        "FAIL all_gather, 2 ranks, traffic: malformed result from the ranks: no 'comm' in what they returned "
+        "(recorded on each rank by distlab.checks.ch01.ring_exercise): it comes from your ring_all_gather; did your "
+        "ring_all_gather set 'comm' (an attribute, or a key of what it returns) on every rank?"]
+    assert isinstance(case, Case)

@@ -177,11 +177,23 @@ def test_a_whole_multiple_of_the_reference_gets_a_hint():
         compare(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]))
 
 
-def test_help_of_grade_lists_each_task_its_answers_and_its_lines():
+def test_help_of_grade_lists_each_task_its_answers_its_ranks_and_its_lines():
+    import pydoc
+
+    from distlab.checks import LABS, lab_module
     from distlab.checks.ch01 import grade
     doc = grade.__doc__
     assert doc.startswith("grade(task, *answers): run a graded task on real ranks and print its verdicts.")
-    assert "grade('all_gather', ring_all_gather)\n    all_gather, 2 ranks, values\n" in doc
+    assert ("grade('all_gather', ring_all_gather): 3 case(s), on 2, 3 and 4 ranks\n"
+            "    all_gather, 2 ranks, values\n    all_gather, 2 ranks, traffic\n    all_gather, 3 ranks, values\n") in doc
+    assert "all_gather, 4 ranks, traffic" in pydoc.render_doc(grade, renderer=pydoc.plaintext)   # what help() shows
+    for lab in LABS:          # every lab's help names each task, the names it takes and every verdict line, in order
+        module = lab_module(lab)
+        doc = module.grade.__doc__
+        for name, task in module.TASKS.items():
+            at = doc.index(f"grade({name!r}, {', '.join(task.answers)}): {len(task.cases())} case(s), on ")
+            lines = doc[at:].split("\n\n")[0].splitlines()[1:]
+            assert lines == [f"    {line}" for line in task.lines()], (lab, name)
 
 
 def test_a_notebook_run_by_hand_records_into_yours_and_the_tour_report_shows_it(tmp_path, monkeypatch):

@@ -15,13 +15,14 @@ traffic come from the same calls. Two verdict lines per world size:
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, check_line
+from distlab.checks.task import Case, Line, Row, check_line, grader, per_ranks, table, task
 from distlab.checks.verdict import CheckFailed, compare
 from distlab.course.collectives import chunk_bounds
 from distlab.meters import track_comm
@@ -97,102 +98,104 @@ def _cases(kind: str) -> list[tuple[int, torch.dtype, str]]:
     return [(numel, dtype, op) for numel in SIZES for dtype in DTYPES for op in ops]
 
 
-class RingTask(Task):
-    """One ring collective: `kind` is reduce_scatter, all_gather, all_reduce or naive_all_reduce."""
-
-    hang_hint = ("A ring hangs when a receive has no matching send: at step s, rank r must receive "
-                 "from rank r-1 exactly the chunk (and size) rank r-1 sends at that same step.")
-
-    def __init__(self, kind: str, answer: str, expected_sent: Any, words: str) -> None:
-        self.name, self.kind, self.answers = kind, kind, (answer,)
-        self.expected_sent, self.words = expected_sent, words
-
-    def cases(self) -> list[Case]:
-        return [Case(n, (f"{self.kind}, {n} ranks, values", f"{self.kind}, {n} ranks, traffic"))
-                for n in WORLD_SIZES]
-
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank's starting values, one tensor per size (cast to each dtype on the rank)."""
-        return [{str(numel): _draw(numel, rng) for numel in SIZES} for _ in range(case.world_size)]
-
-    # -- on every rank, with the learner's function ------------------------------------------------
-    def exercise(self, case: Case, fn: Any, inputs: dict | None = None) -> dict:
-        r, n, dev = distlab.rank(), distlab.world_size(), distlab.device()
-        results, comm = {}, {}
-        for numel, dtype, op in _cases(self.kind):
-            distlab.engine.runtime.progress(_label(self.kind, numel, str(dtype), op))
-            x = _start(r, numel, dtype, inputs).to(dev)
-            if self.kind == "all_gather":
-                a, b = chunk_bounds(numel, n)[r]
-                mine = torch.full_like(x, 99)     # only my chunk is valid on entry
-                mine[a:b] = x[a:b]
-                with track_comm() as meter:
-                    fn(mine)
-            else:
-                mine = x.clone()
-                with track_comm() as meter:
-                    fn(mine, OPS[op])
-            results[numel, str(dtype), op] = mine
-            comm[numel, str(dtype), op] = meter.stats()
-        return {"results": results, "comm": comm}
-
-    # -- here, without learner code ----------------------------------------------------------------
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        n, out = case.world_size, {}
-        for numel, dtype, op in _cases(self.kind):
-            start = [_start(r, numel, dtype, None if inputs is None else inputs[r]) for r in range(n)]
-            if self.kind == "all_gather":
-                out[numel, str(dtype), op] = torch.cat([start[s][a:b] for s, (a, b) in
-                                                        enumerate(chunk_bounds(numel, n))])
-            else:
-                stacked = torch.stack(start)
-                out[numel, str(dtype), op] = stacked.sum(0).to(dtype) if op == "sum" else stacked.max(0).values
-        return out
-
-    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
-        n = case.world_size
-        values_line, traffic_line = case.lines
-
-        def values() -> str:
-            for r, out in enumerate(outputs):
-                for key, want in reference.items():
-                    mine = out["results"][key]
-                    if self.kind == "reduce_scatter":   # only chunk r is defined on rank r
-                        a, b = chunk_bounds(key[0], n)[r]
-                        mine, want = mine[a:b], want[a:b]
-                    try:
-                        compare(mine, want, what="your result")
-                    except CheckFailed as exc:
-                        raise CheckFailed(f"rank {r}, {_label(self.kind, *key)}: {exc}")
-            return f"right on every rank in {len(reference)} cases"
-
-        def traffic() -> str:
-            for r, out in enumerate(outputs):
-                for key in reference:
-                    stats = out["comm"][key]
-                    numel, dtype, op = key
-                    where = f"rank {r}, {_label(self.kind, *key)}"
-                    other = sorted(set(stats.calls) - {"send", "recv"})
-                    if other:
-                        raise CheckFailed(f"rank {r} called {', '.join(other)}: use only send/recv (isend/irecv)")
-                    itemsize = torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
-                    sent = stats.bytes.get("send", 0)
-                    want = sorted(e * itemsize for e in self.expected_sent(numel, n, r))
-                    if sent not in want:
-                        S = numel * itemsize
-                        raise CheckFailed(f"{where}: sent {sent} bytes of S={S}; expected "
-                                          f"{' or '.join(map(str, want))} ({self.words}, for chunks of "
-                                          f"{_sizes(numel, n)} elements)")
-            return f"point-to-point only, sends {self.words}"
-
-        return [check_line(values_line, values), check_line(traffic_line, traffic)]
+RING_HANG_HINT = ("A ring hangs when a receive has no matching send: at step s, rank r must receive "
+                  "from rank r-1 exactly the chunk (and size) rank r-1 sends at that same step.")
 
 
-TASKS = {t.name: t for t in (
-    RingTask("reduce_scatter", "ring_reduce_scatter", _rs_sent, "(N-1)/N x S"),
-    RingTask("all_gather", "ring_all_gather", _ag_sent, "(N-1)/N x S"),
-    RingTask("all_reduce", "ring_all_reduce", _ar_sent, "2(N-1)/N x S"),
-    RingTask("naive_all_reduce", "naive_all_reduce", _naive_sent, "(N-1) x S on rank 0, S elsewhere"),
-)}
+def ring_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's starting values, one tensor per size (cast to each dtype on the rank)."""
+    return [{str(numel): _draw(numel, rng) for numel in SIZES} for _ in range(case.world_size)]
+
+
+def ring_exercise(kind: str, case: Case, fn: Any, inputs: dict | None = None) -> dict:
+    """On every rank, with the learner's function: its result and its traffic, for every size, dtype and op."""
+    r, n, dev = distlab.rank(), distlab.world_size(), distlab.device()
+    results, comm = {}, {}
+    for numel, dtype, op in _cases(kind):
+        distlab.engine.runtime.progress(_label(kind, numel, str(dtype), op))
+        x = _start(r, numel, dtype, inputs).to(dev)
+        if kind == "all_gather":
+            a, b = chunk_bounds(numel, n)[r]
+            mine = torch.full_like(x, 99)     # only my chunk is valid on entry
+            mine[a:b] = x[a:b]
+            with track_comm() as meter:
+                fn(mine)
+        else:
+            mine = x.clone()
+            with track_comm() as meter:
+                fn(mine, OPS[op])
+        results[numel, str(dtype), op] = mine
+        comm[numel, str(dtype), op] = meter.stats()
+    return {"results": results, "comm": comm}
+
+
+def ring_reference(kind: str, case: Case, inputs: list | None = None) -> dict:
+    """Here, without learner code: the collective's result from every rank's start."""
+    n, out = case.world_size, {}
+    for numel, dtype, op in _cases(kind):
+        start = [_start(r, numel, dtype, None if inputs is None else inputs[r]) for r in range(n)]
+        if kind == "all_gather":
+            out[numel, str(dtype), op] = torch.cat([start[s][a:b] for s, (a, b) in
+                                                    enumerate(chunk_bounds(numel, n))])
+        else:
+            stacked = torch.stack(start)
+            out[numel, str(dtype), op] = stacked.sum(0).to(dtype) if op == "sum" else stacked.max(0).values
+    return out
+
+
+def ring_judge(kind: str, expected_sent: Any, words: str, case: Case, outputs: list, reference: dict) -> list[Line]:
+    """values: every rank's result (its own chunk for a reduce-scatter); traffic: send/recv only, `expected_sent`."""
+    n = case.world_size
+    values_line, traffic_line = case.lines
+
+    def values() -> str:
+        for r, out in enumerate(outputs):
+            for key, want in reference.items():
+                mine = out["results"][key]
+                if kind == "reduce_scatter":   # only chunk r is defined on rank r
+                    a, b = chunk_bounds(key[0], n)[r]
+                    mine, want = mine[a:b], want[a:b]
+                try:
+                    compare(mine, want, what="your result")
+                except CheckFailed as exc:
+                    raise CheckFailed(f"rank {r}, {_label(kind, *key)}: {exc}")
+        return f"right on every rank in {len(reference)} cases"
+
+    def traffic() -> str:
+        for r, out in enumerate(outputs):
+            for key in reference:
+                stats = out["comm"][key]
+                numel, dtype, op = key
+                where = f"rank {r}, {_label(kind, *key)}"
+                other = sorted(set(stats.calls) - {"send", "recv"})
+                if other:
+                    raise CheckFailed(f"rank {r} called {', '.join(other)}: use only send/recv (isend/irecv)")
+                itemsize = torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
+                sent = stats.bytes.get("send", 0)
+                want = sorted(e * itemsize for e in expected_sent(numel, n, r))
+                if sent not in want:
+                    S = numel * itemsize
+                    raise CheckFailed(f"{where}: sent {sent} bytes of S={S}; expected "
+                                      f"{' or '.join(map(str, want))} ({words}, for chunks of "
+                                      f"{_sizes(numel, n)} elements)")
+        return f"point-to-point only, sends {words}"
+
+    return [check_line(values_line, values), check_line(traffic_line, traffic)]
+
+
+def ring(kind: str, answer: str, expected_sent: Any, words: str) -> Row:
+    """One ring collective's task (`kind`: reduce_scatter, all_gather, all_reduce or naive_all_reduce): on 2, 3
+    and 4 ranks, its values and its traffic (`expected_sent`, said as `words`)."""
+    return task(kind, answer, per_ranks(WORLD_SIZES, f"{kind}, {{n}} ranks, values", f"{kind}, {{n}} ranks, traffic"),
+                inputs=ring_inputs, exercise=partial(ring_exercise, kind), reference=partial(ring_reference, kind),
+                judge=partial(ring_judge, kind, expected_sent, words), hang_hint=RING_HANG_HINT)
+
+
+TASKS = table(
+    ring("reduce_scatter", "ring_reduce_scatter", _rs_sent, "(N-1)/N x S"),
+    ring("all_gather", "ring_all_gather", _ag_sent, "(N-1)/N x S"),
+    ring("all_reduce", "ring_all_reduce", _ar_sent, "2(N-1)/N x S"),
+    ring("naive_all_reduce", "naive_all_reduce", _naive_sent, "(N-1) x S on rank 0, S elsewhere"),
+)
 
 grade = grader(TASKS)

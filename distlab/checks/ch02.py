@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
-                                 grader, check_line, load_weights, on_one_rank, weights_of)
+from distlab.checks.draws import draw_seed, drawn_batch_shards, drawn_weights, full_batches, load_weights, weights_of
+from distlab.checks.task import Case, Line, Task, grader, check_line, on_one_rank
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.course.data_parallel.reference import make_model, one_thread, sgd, train_single, trainable
 from distlab.meters import track_comm

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, full_batches,
-                                 grader, check_line, load_weights)
+from distlab.checks.draws import draw_seed, drawn_batch_shards, drawn_weights, full_batches, load_weights
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import compare, expect
 from distlab.course.data_parallel.reference import full_batch_gradient, make_model, trainable
 from distlab.meters import track_comm

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, check_line, drawn_batch_shards, full_batches, on_one_rank
+from distlab.checks.draws import drawn_batch_shards, full_batches
+from distlab.checks.task import Case, Line, Task, check_line, on_one_rank
 from distlab.checks.verdict import compare, expect
 from distlab.course.data_parallel.reference import make_model, train_single
 from distlab.meters import model_state, track_comm

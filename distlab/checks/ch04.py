@@ -29,8 +29,8 @@ import torch
 
 import distlab
 from distlab.course.zero.buckets import describe
-from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, grader,
-                                 check_line, load_weights, weights_of)
+from distlab.checks.draws import draw_seed, drawn_batch_shards, drawn_weights, load_weights, weights_of
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import track_comm
 from distlab.course.models import lm_loss

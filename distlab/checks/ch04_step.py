@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, check_line, on_one_rank
+from distlab.checks.draws import drawn_batch_shards, full_batches
+from distlab.checks.task import Case, Line, Task, check_line, on_one_rank
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import held_bytes, model_state, track_comm, track_memory
 from distlab.course.models import PRESETS, lm_loss, synthetic_batch

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, draw_seed, drawn_weights, grader, check_line, load_weights
+from distlab.checks.draws import draw_seed, drawn_weights, load_weights
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import compare, expect
 from distlab.meters import held_bytes, track_comm
 from distlab.course.models import build_model, lm_loss

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import (Case, draw_seed, drawn_batch_shards, drawn_weights, full_batches, load_weights,
-                                 on_one_rank)
+from distlab.checks.draws import draw_seed, drawn_batch_shards, drawn_weights, full_batches, load_weights
+from distlab.checks.task import Case, on_one_rank
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.course.models import build_model, lm_loss, split_batch, synthetic_batch
 from distlab.course.zero.units import block_units

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, drawn_batch_shards, full_batches, grader, check_line
+from distlab.checks.draws import drawn_batch_shards, full_batches
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import CheckFailed, compare, expect
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, grader, check_line, load_weights
+from distlab.checks.draws import load_weights
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import CheckFailed, compare, expect
 from distlab.meters import track_comm, track_memory
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import draw_seed, drawn_weights, load_weights
+from distlab.checks.draws import draw_seed, drawn_weights, load_weights
 
 PRESET, SEED, LAYERS, MICRO = "tiny", 0, 4, 2      # 4 blocks: up to 4 stages; 2 rows per micro-batch
 OFFLOAD_LR, OFFLOAD_WD, OFFLOAD_STEPS, OFFLOAD_BATCH = 5e-2, 0.1, 3, 8

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.checks.task import Case, Line, Task, check_line, load_weights
+from distlab.checks.draws import load_weights
+from distlab.checks.task import Case, Line, Task, check_line
 from distlab.checks.verdict import CheckFailed, compare, expect
 
 from distlab.checks.ch08_common import MICRO, PRESET, SEED, _batch, _drawn_stages, _model_of_stages, _stage_batch

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import (Case, Line, Task, draw_seed, drawn_batch_shards, drawn_weights, check_line,
-                                 load_weights, on_one_rank)
+from distlab.checks.draws import draw_seed, drawn_batch_shards, drawn_weights, load_weights
+from distlab.checks.task import Case, Line, Task, check_line, on_one_rank
 from distlab.checks.verdict import CheckFailed, compare, expect
 
 from distlab.checks.ch08_common import OFFLOAD_BATCH, OFFLOAD_LR, OFFLOAD_STEPS, OFFLOAD_WD, PRESET, SEED

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 import distlab
 from distlab.checks.ch07_common import comm_of, expect_traffic, make_optimizer, same, values_line
-from distlab.checks.task import Case, Line, Task, draw_seed, drawn_weights, grader, check_line, load_weights
+from distlab.checks.draws import draw_seed, drawn_weights, load_weights
+from distlab.checks.task import Case, Line, Task, grader, check_line
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.course.data_parallel.reference import one_thread
 from distlab.course.moe.layer import MoEConfig, build_moe_model, capacity, load_balancing_loss, moe_loss, route

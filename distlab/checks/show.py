@@ -103,3 +103,18 @@ def verdict_text(task: Task, lines: list[Line]) -> list[str]:
             out += [str(line) for line in mine]
     out += [str(line) for line in it]
     return out
+
+
+def grade_doc(tasks: dict[str, Task]) -> str:
+    """`help(grade)`, built from the lab's table: how to call it, then each task's call, the world sizes of its
+    cases and the verdict lines it prints, case by case."""
+    out = ["grade(task, *answers): run a graded task on real ranks and print its verdicts.", "",
+           "Tasks (the call, the ranks its cases launch, then the verdict lines it prints):", ""]
+    for name, task in tasks.items():
+        sizes = sorted({c.world_size for c in task.cases()})
+        ranks = ", ".join(map(str, sizes[:-1])) + (" and " if len(sizes) > 1 else "") + str(sizes[-1])
+        out.append(f"grade({name!r}, {', '.join(task.answers)}): {len(task.cases())} case(s), on {ranks} "
+                   f"rank{'s' if sizes != [1] else ''}")
+        out += [f"    {line}" for line in task.lines()]
+        out.append("")
+    return "\n".join(out)

@@ -4,8 +4,9 @@ A lab's check cell is one line:
 
     grade("reduce_scatter", ring_reduce_scatter)
 
-Behind it, a `Task` (one per graded step of a lab, in `distlab.checks.chNN`)
-says four things:
+Behind it, a task (one per graded step) is a row of its chapter's table,
+`TASKS = table(task(name, answers, per_ranks(...), exercise=f, ...), ...)`
+in `distlab.checks.chNN`: verdict lines and plain functions. It says:
 
 - `cases()`: the launches that exercise the answer, each a `Case` (world
   size, arguments, and the names of the verdict lines it decides);
@@ -32,6 +33,7 @@ ranks return anything, but cannot change how that is judged.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import io
 import sys
@@ -62,10 +64,8 @@ SKIPPED_NOT_WRITTEN = f"{NOT_WRITTEN} (not run: an earlier case raised NotImplem
 
 def later_cases_reason(world_size: int, why: str, stuck: str = "") -> str | None:
     """After a case failed with `why` (`stuck`: "hung", "never finished" or "ran past the cap" when it never
-    ended), the line
-    each later case of the task gets without running, or None if they still run. A hang would make each
-    of them wait just as long; a stub would say the same. (The notebook's `run_task` and the grader's
-    runner both follow this.)"""
+    ended), the line each later case of the task gets without running, or None if they still run: a hang
+    would make each wait as long, a stub would say the same (`run_task` and the grader's runner follow this)."""
     if stuck:
         return f"not run: an earlier case ({world_size} ranks) {stuck}"
     if why.startswith(NOT_WRITTEN):
@@ -135,6 +135,74 @@ class Task:
         return [name for case in self.cases() for name in case.lines]
 
 
+_JUDGING: contextvars.ContextVar[Row | None] = contextvars.ContextVar("judging", default=None)
+
+
+# ---- a chapter's tasks as a table: data and plain functions ---------------------------------------------
+
+# eq=False: hashed by identity (references are cached per task); kw_only: Task's class attributes are defaults
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Row(Task):
+    """A row of a chapter's table (built by `task`): the `Task` protocol over plain module-level functions that
+    take the case first; `inputs=` reaches exercise and reference only when drawn (fixed inputs: need not)."""
+
+    name: str
+    answers: tuple[str, ...]
+    case_list: tuple[Case, ...]
+    exercise_fn: Callable[..., Any]
+    judge_fn: Callable[..., list[Line]]
+    reference_fn: Callable[..., Any] | None = None
+    inputs_fn: Callable[..., Any] | None = None
+    hang_hint: str = ""
+    points: float = 1.0
+
+    def cases(self) -> list[Case]:
+        return list(self.case_list)
+
+    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]] | None:
+        return None if self.inputs_fn is None else self.inputs_fn(case, rng)
+
+    def exercise(self, case: Case, *answers: Any, inputs: dict[str, torch.Tensor] | None = None) -> Any:
+        return self.exercise_fn(case, *answers) if inputs is None else self.exercise_fn(case, *answers, inputs=inputs)
+
+    def reference(self, case: Case, inputs: list[dict[str, torch.Tensor]] | None = None) -> Any:
+        if self.reference_fn is None:
+            return None
+        return self.reference_fn(case) if inputs is None else self.reference_fn(case, inputs=inputs)
+
+    def judge(self, case: Case, outputs: list[Any], reference: Any) -> list[Line]:
+        token = _JUDGING.set(self)        # so that `malformed` can say which answer a missing output comes from
+        try:
+            return self.judge_fn(case, outputs, reference)
+        finally:
+            _JUDGING.reset(token)
+
+
+def task(name: str, answers: str | tuple[str, ...], cases: Iterable[Case], *, exercise: Callable[..., Any],
+         judge: Callable[..., list[Line]], reference: Callable[..., Any] | None = None,
+         inputs: Callable[..., Any] | None = None, hang_hint: str = "", points: float = 1.0) -> Row:
+    """One graded step of a lab as a row of its chapter's table: the learner's names it takes (one or a tuple),
+    its cases with their verdict lines (`per_ranks`), and the plain functions that run and judge them (`Row`)."""
+    return Row(name=name, answers=(answers,) if isinstance(answers, str) else tuple(answers),
+               case_list=tuple(cases), exercise_fn=exercise, judge_fn=judge, reference_fn=reference,
+               inputs_fn=inputs, hang_hint=hang_hint, points=points)
+
+
+def per_ranks(world_sizes: Iterable[int], *lines: str, args: dict | Callable[[int], dict] | None = None
+              ) -> tuple[Case, ...]:
+    """One case per world size n, deciding `lines` in order ("{n}" in a line stands for n); `args`: the
+    cases' arguments, one dict or n -> dict."""
+    return tuple(Case(n, tuple(line.replace("{n}", str(n)) for line in lines),
+                      dict((args(n) if callable(args) else args) or {})) for n in world_sizes)
+
+
+def table(*tasks: Task) -> dict[str, Task]:
+    """A lab's `TASKS`: its tasks by name, in the lab's order."""
+    out = {t.name: t for t in tasks}
+    assert len(out) == len(tasks), f"two tasks share a name: {[t.name for t in tasks]}"
+    return out
+
+
 def check_line(name: str, fn: Callable[[], Any]) -> Line:
     """A Line from `fn()`: PASS with its return value as detail, FAIL with the reason it raised.
 
@@ -152,13 +220,19 @@ def check_line(name: str, fn: Callable[[], Any]) -> Line:
 
 def malformed(exc: BaseException) -> str:
     """Why a rank's outputs could not be judged, naming what was missing: the key of a KeyError (an output
-    the check records from your object, e.g. an attribute your class should set), the message of others."""
+    the check records from your object, e.g. an attribute your class should set) and, while a `Row` judges,
+    which of your answers it comes from and which function of the check records it; the message of others."""
+    row = _JUDGING.get()
+    yours = f"your {' / '.join(row.answers)}" if row is not None and row.answers else "your code"
+    fn = getattr(row.exercise_fn, "func", row.exercise_fn) if row is not None else None     # a partial's own
+    where = f" (recorded on each rank by {fn.__module__}.{fn.__name__})" if fn is not None else ""
     if isinstance(exc, KeyError) and exc.args:
-        return (f"malformed result from the ranks: no {exc.args[0]!r} in what they returned (the check records "
-                f"it from your code's objects: did your class set {exc.args[0]!r}, and every rank return it?)")
+        key = exc.args[0]
+        return (f"malformed result from the ranks: no {key!r} in what they returned{where}: it comes from "
+                f"{yours}; did {yours} set {key!r} (an attribute, or a key of what it returns) on every rank?")
     if isinstance(exc, (TypeError, AttributeError, IndexError)):
-        return (f"malformed result from the ranks: {type(exc).__name__}: {str(exc)[:160]} (a value of another "
-                "type or shape than the task's docstring asks for)")
+        return (f"malformed result from the ranks: {type(exc).__name__}: {str(exc)[:160]}{where} (a value from "
+                f"{yours} of another type or shape than the task's docstring asks for)")
     return f"malformed result from the ranks ({type(exc).__name__}: {str(exc)[:120]})"
 
 
@@ -320,61 +394,6 @@ def grader(tasks: dict[str, Task]) -> Callable[..., None]:
             # The launcher has already stopped every rank; a traceback through the package says nothing more.
             print(f"interrupted: the check of {name!r} was stopped before it finished (no rank is left running)")
 
+    from distlab.checks.show import grade_doc
     grade.__doc__ = grade_doc(tasks)
     return grade
-
-
-def grade_doc(tasks: dict[str, Task]) -> str:
-    """`help(grade)`: how to call it, then each task's answers and the verdict lines it prints."""
-    out = ["grade(task, *answers): run a graded task on real ranks and print its verdicts.", "",
-           "Tasks (call: the verdict lines it prints, case by case):", ""]
-    for name, task in tasks.items():
-        out.append(f"grade({name!r}, {', '.join(task.answers)})")
-        out += [f"    {line}" for line in task.lines()]
-        out.append("")
-    return "\n".join(out)
-
-
-# ---- what a task's `inputs` draws (grading only): starting weights and batches, as tensors -------------------
-
-def draw_seed(rng: torch.Generator) -> int:
-    """A seed drawn from `rng`, for the package's seeded builders; it stays in the grader (ranks get tensors).
-    Below 2**40: `synthetic_batch` multiplies its seed by about 1e6 into a 64-bit one."""
-    return int(torch.randint(0, 2**40, (1,), generator=rng))
-
-
-def drawn_weights(model: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """A (freshly built, drawn-seed) model's parameters as one rank's inputs, named `prefix` + parameter name."""
-    return {f"{prefix}{k}": v.detach().cpu().clone() for k, v in model.named_parameters()}
-
-
-def load_weights(model: torch.nn.Module, inputs: dict[str, torch.Tensor], prefix: str) -> torch.nn.Module:
-    """On the rank: `model`'s parameters overwritten, in place, by its drawn ones (see `drawn_weights`)."""
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(inputs[prefix + k])
-    return model
-
-
-def weights_of(inputs: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The parameters `drawn_weights` put in one rank's inputs under `prefix`, by parameter name."""
-    return {k.removeprefix(prefix): v for k, v in inputs.items() if k.startswith(prefix)}
-
-
-def drawn_batch_shards(rng: torch.Generator, world_size: int, steps: int, batch_size: int,
-                       preset: str = "tiny") -> list[dict[str, torch.Tensor]]:
-    """`steps` batches of the package's kind from a drawn seed, each rank's shard only: rank r gets
-    `x{step}`, `y{step}` (its `split_batch` slice)."""
-    from distlab.course.models import PRESETS, split_batch, synthetic_batch
-    seed, out = draw_seed(rng), [{} for _ in range(world_size)]
-    for step in range(steps):
-        full = synthetic_batch(step, batch_size, PRESETS[preset], seed=seed, device="cpu")
-        for r in range(world_size):
-            out[r][f"x{step}"], out[r][f"y{step}"] = split_batch(full, r, world_size)
-    return out
-
-
-def full_batches(inputs: list[dict[str, torch.Tensor]], steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """In the grader: each step's whole batch, the ranks' shards put back together in rank order."""
-    return [(torch.cat([i[f"x{s}"] for i in inputs]), torch.cat([i[f"y{s}"] for i in inputs]))
-            for s in range(steps)]
