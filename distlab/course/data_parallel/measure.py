@@ -100,13 +100,17 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _batch(step: int, batch_size: int, preset: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return split_batch(synthetic_batch(step, batch_size, PRESETS[preset]), rt.rank(), rt.world_size())
+Split = Callable[[tuple[torch.Tensor, ...], int, int], tuple[torch.Tensor, ...]]
+
+
+def _batch(step: int, batch_size: int, preset: str, split: Split | None) -> tuple[torch.Tensor, ...]:
+    # This rank's rows of the global batch: the notebook's own split when it passes one (lecture 2 shows it).
+    return (split or split_batch)(synthetic_batch(step, batch_size, PRESETS[preset]), rt.rank(), rt.world_size())
 
 
 def measure(build: Callable[[str, torch.nn.Module], Strategy], name: str, *, preset: str, dtype: torch.dtype,
             batch_size: int, steps: int = 3, timed: int = 0, budget_s: float | None = None,
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, split: Split | None = None) -> dict[str, Any]:
     """On every rank: train strategy `name` for `steps` steps and report what it cost.
 
     Returns {"state": ModelState at the last step boundary (parameters,
@@ -116,14 +120,15 @@ def measure(build: Callable[[str, torch.nn.Module], Strategy], name: str, *, pre
     buckets after its first step with a one-off broadcast), "params": parameters after
     `steps` steps (fp32), "seconds": median seconds of `timed` more steps run
     alone (barrier and device sync around each; None when timed=0)}.
-    The global batch of `batch_size` rows is split over the ranks.
+    The global batch of `batch_size` rows is split over the ranks by `split(batch, rank, world_size)` (the
+    lecture's own; default `distlab.course.models.split_batch`: contiguous slices of B/N rows).
     """
     with track_memory() as mem:
         model = build_model(preset, seed=seed).to(dtype)
         strategy = build(name, model)
         for step in range(steps):
             rt.progress(f"measuring {name}: step {step} of {steps}")
-            x, y = _batch(step, batch_size, preset)
+            x, y = _batch(step, batch_size, preset, split)
             with track_comm() as comm:
                 strategy.step(x, y)
             if step == steps - 1:
@@ -145,11 +150,11 @@ def measure(build: Callable[[str, torch.nn.Module], Strategy], name: str, *, pre
 
 def race_strategies(build: Callable[[str, torch.nn.Module], Strategy], names: Sequence[str], *, preset: str,
                     dtype: torch.dtype, batch_size: int, repeats: int, budget_s: float | None = None,
-                    seed: int = 0) -> RaceResult:
+                    seed: int = 0, split: Split | None = None) -> RaceResult:
     """On every rank: each strategy on its own copy of the model, one training step each,
-    alternating (`distlab.bench.race`); the slowest rank's seconds per step."""
+    alternating (`distlab.bench.race`); the slowest rank's seconds per step. `split` as in `measure`."""
     built = {name: build(name, build_model(preset, seed=seed).to(dtype)) for name in names}
-    x, y = _batch(0, batch_size, preset)
+    x, y = _batch(0, batch_size, preset, split)
 
     def one(strategy: Strategy) -> Callable[[], None]:
         def step() -> None:
