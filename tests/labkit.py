@@ -59,8 +59,12 @@ def strings(lines) -> list[str]:
 def only(task, world_size: int = 2):
     """`task` restricted to its `world_size`-rank case(s) (a copy; the task itself is unchanged)."""
     import copy
-    t = copy.copy(task)
-    t.cases = lambda: [c for c in task.cases() if c.world_size == world_size]
+    import dataclasses
+    cases = [c for c in task.cases() if c.world_size == world_size]
+    if dataclasses.is_dataclass(task):          # a row of a chapter's table (checks.task.Row)
+        return dataclasses.replace(task, case_list=tuple(cases))
+    t = copy.copy(task)                         # a Task subclass
+    t.cases = lambda: cases
     return t
 
 

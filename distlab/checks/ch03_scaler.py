@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.task import Case, Line, Task, check_line
+from distlab.checks.task import Case, Line, check_line
 from distlab.checks.verdict import CheckFailed, expect
 
 K = 8                       # elements of each rank's shard: tiny, fp16 elementwise ops only (no matmul)
@@ -86,51 +86,45 @@ class ShardSGD:
                 p.grad = None
 
 
-class ScalerTask(Task):
-    name, answers = "loss_scaler", ("LossScaler",)
-    hang_hint = HANG_HINT
+def loss_scaler_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's own master shard and fp16 inputs, spikes at drawn steps and ranks."""
+    return draw(rng, case.world_size)
 
-    def cases(self) -> list[Case]:
-        return [Case(2, ("LossScaler, 2 ranks: overflowing steps skipped, the others unscaled and taken",
-                         "LossScaler, 2 ranks: the scale backs off on overflow and grows after good steps",
-                         "LossScaler, 2 ranks: every rank skips the same steps, with the same scale"))]
 
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank's own master shard and fp16 inputs, spikes at drawn steps and ranks."""
-        return draw(rng, case.world_size)
+def loss_scaler_exercise(case: Case, LossScaler: Any, inputs: dict | None = None) -> list[dict]:
+    r, dev = distlab.rank(), distlab.device()
+    mine = inputs if inputs is not None else draw(torch.Generator().manual_seed(SEED), case.world_size)[r]
+    scaler = LossScaler(**ARGS)
+    master = torch.nn.Parameter(mine["w"].to(dev))            # this rank's fp32 master shard
+    opt = ShardSGD([master], lr=LR)
+    rows = []
+    for t in range(STEPS):
+        distlab.engine.runtime.progress(f"LossScaler, {case.world_size} ranks, step {t}")
+        before = float(scaler.get_scale())
+        w16 = master.detach().to(torch.float16).requires_grad_(True)   # the fp16 copy forward uses
+        loss = (w16 * mine["x"][t].to(dev)).float().sum()            # fp16 forward, fp32 loss
+        scaler.scale(loss).backward()                                # fp16 backward: may overflow
+        master.grad = w16.grad.float()                               # fp16 gradient into the fp32 master
+        scaler.step(opt)
+        scaler.update()
+        rows.append({"scale": before, "after": float(scaler.get_scale()),
+                     "w": master.detach().cpu().clone()})
+        opt.zero_grad(set_to_none=True)
+    return rows
 
-    def exercise(self, case: Case, LossScaler: Any, inputs: dict | None = None) -> list[dict]:
-        r, dev = distlab.rank(), distlab.device()
-        mine = inputs if inputs is not None else draw(torch.Generator().manual_seed(SEED), case.world_size)[r]
-        scaler = LossScaler(**ARGS)
-        master = torch.nn.Parameter(mine["w"].to(dev))            # this rank's fp32 master shard
-        opt = ShardSGD([master], lr=LR)
-        rows = []
-        for t in range(STEPS):
-            distlab.engine.runtime.progress(f"LossScaler, {case.world_size} ranks, step {t}")
-            before = float(scaler.get_scale())
-            w16 = master.detach().to(torch.float16).requires_grad_(True)   # the fp16 copy forward uses
-            loss = (w16 * mine["x"][t].to(dev)).float().sum()            # fp16 forward, fp32 loss
-            scaler.scale(loss).backward()                                # fp16 backward: may overflow
-            master.grad = w16.grad.float()                               # fp16 gradient into the fp32 master
-            scaler.step(opt)
-            scaler.update()
-            rows.append({"scale": before, "after": float(scaler.get_scale()),
-                         "w": master.detach().cpu().clone()})
-            opt.zero_grad(set_to_none=True)
-        return rows
 
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        """The inputs themselves: the judge replays each step from the ranks' own reports."""
-        if inputs is None:
-            inputs = draw(torch.Generator().manual_seed(SEED), case.world_size)
-        return {"w": [i["w"] for i in inputs], "x": [i["x"] for i in inputs]}
+def loss_scaler_reference(case: Case, inputs: list | None = None) -> dict:
+    """The inputs themselves: the judge replays each step from the ranks' own reports."""
+    if inputs is None:
+        inputs = draw(torch.Generator().manual_seed(SEED), case.world_size)
+    return {"w": [i["w"] for i in inputs], "x": [i["x"] for i in inputs]}
 
-    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
-        skip_line, scale_line, agree_line = case.lines
-        facts = _replay(outputs, reference)
-        return [check_line(skip_line, lambda: _skip(outputs, facts)), check_line(scale_line, lambda: _scale(outputs, facts)),
-                check_line(agree_line, lambda: _agree(outputs, facts))]
+
+def loss_scaler_judge(case: Case, outputs: list, reference: dict) -> list[Line]:
+    skip_line, scale_line, agree_line = case.lines
+    facts = _replay(outputs, reference)
+    return [check_line(skip_line, lambda: _skip(outputs, facts)), check_line(scale_line, lambda: _scale(outputs, facts)),
+            check_line(agree_line, lambda: _agree(outputs, facts))]
 
 
 def _what(x: torch.Tensor) -> str:

@@ -9,69 +9,68 @@ import torch
 
 import distlab
 from distlab.checks.draws import drawn_batch_shards, full_batches
-from distlab.checks.task import Case, Line, Task, check_line, on_one_rank
+from distlab.checks.task import Case, Line, check_line, on_one_rank
 from distlab.checks.verdict import compare, expect
 from distlab.course.data_parallel.reference import make_model, train_single
 from distlab.meters import model_state, track_comm
 from distlab.course.models import lm_loss
 from distlab.theory import comm_bytes_per_rank
-from distlab.checks.ch03_common import (BATCH, HANG_HINT, MAX_OFF_BY_A_STEP, RECIPES, STEPS, TOL, _batch, _psi,
+from distlab.checks.ch03_common import (BATCH, MAX_OFF_BY_A_STEP, RECIPES, STEPS, TOL, _batch, _psi,
                                         _train_on)
 
 
-class StepTask(Task):
-    name, answers = "step", ("ShardedOptimizer",)
-    hang_hint = HANG_HINT
+# Its verdict lines, each case's ("{n}": its world size): every recipe on both models, sharding, traffic.
+STEP_LINES = (tuple(f"ShardedOptimizer({recipe}), {{n}} ranks, {variant} weights"
+                    for recipe in RECIPES for variant in ("frozen", "tied"))
+              + tuple(f"ShardedOptimizer, {{n}} ranks, {variant} weights: optimizer state sharded"
+                      for variant in ("frozen", "tied"))
+              + ("ShardedOptimizer, {n} ranks: collectives and bytes",))
 
-    def cases(self) -> list[Case]:
-        return [Case(n, tuple(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights"
-                              for recipe in RECIPES for variant in ("frozen", "tied"))
-                     + tuple(f"ShardedOptimizer, {n} ranks, {variant} weights: optimizer state sharded"
-                             for variant in ("frozen", "tied"))
-                     + (f"ShardedOptimizer, {n} ranks: collectives and bytes",))
-                for n in (2, 4)]
 
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank's shard of each step's batch."""
-        return drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
+def step_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's shard of each step's batch."""
+    return drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
 
-    def exercise(self, case: Case, Opt: Any, inputs: dict | None = None) -> dict:
-        r, n = distlab.rank(), distlab.world_size()
-        out: dict = {}
-        for recipe, (opt_class, kw, dtype) in RECIPES.items():
-            for variant in ("frozen", "tied"):
-                model = make_model(variant, dtype=dtype)
-                opt = Opt(model.parameters(), opt_class, **kw)
-                for step in range(STEPS):
-                    distlab.engine.runtime.progress(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights, step {step}")
-                    x, y = _batch(step, r, n, inputs)
-                    # every step whose parameters are judged is metered: backward and step() together
-                    with track_comm() as comm:
-                        lm_loss(model, x, y).backward()
-                        opt.step()
-                    if step == STEPS - 1:   # step boundary: parameters, gradients, optimizer states all live
-                        out[recipe, variant, "state"] = model_state(model, optimizer=opt)
-                    with track_comm() as cleared:
-                        opt.zero_grad(set_to_none=True)
-                    out.setdefault((recipe, variant, "comm"), []).append((comm.stats(), cleared.stats()))
-                out[recipe, variant] = {k: v.detach().float().clone() for k, v in model.named_parameters()}
-        return out
 
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        if inputs is None:
-            return _step_reference()
-        return on_one_rank(_step_reference_on_rank, full_batches(inputs, STEPS))
-
-    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
-        n, lines = case.world_size, list(case.lines)
-        verdicts = []
-        for recipe in RECIPES:
-            for variant in ("frozen", "tied"):
-                verdicts.append(check_line(lines.pop(0), lambda rc=recipe, v=variant: _matches(outputs, reference, rc, v)))
+def step_exercise(case: Case, Opt: Any, inputs: dict | None = None) -> dict:
+    r, n = distlab.rank(), distlab.world_size()
+    out: dict = {}
+    for recipe, (opt_class, kw, dtype) in RECIPES.items():
         for variant in ("frozen", "tied"):
-            verdicts.append(check_line(lines.pop(0), lambda v=variant: _sharded(outputs, reference, v, n)))
-        verdicts.append(check_line(lines.pop(0), lambda: _step_traffic(outputs, reference, n)))
-        return verdicts
+            model = make_model(variant, dtype=dtype)
+            opt = Opt(model.parameters(), opt_class, **kw)
+            for step in range(STEPS):
+                distlab.engine.runtime.progress(f"ShardedOptimizer({recipe}), {n} ranks, {variant} weights, step {step}")
+                x, y = _batch(step, r, n, inputs)
+                # every step whose parameters are judged is metered: backward and step() together
+                with track_comm() as comm:
+                    lm_loss(model, x, y).backward()
+                    opt.step()
+                if step == STEPS - 1:   # step boundary: parameters, gradients, optimizer states all live
+                    out[recipe, variant, "state"] = model_state(model, optimizer=opt)
+                with track_comm() as cleared:
+                    opt.zero_grad(set_to_none=True)
+                out.setdefault((recipe, variant, "comm"), []).append((comm.stats(), cleared.stats()))
+            out[recipe, variant] = {k: v.detach().float().clone() for k, v in model.named_parameters()}
+    return out
+
+
+def step_reference(case: Case, inputs: list | None = None) -> dict:
+    if inputs is None:
+        return _step_reference()
+    return on_one_rank(_step_reference_on_rank, full_batches(inputs, STEPS))
+
+
+def step_judge(case: Case, outputs: list, reference: dict) -> list[Line]:
+    n, lines = case.world_size, list(case.lines)
+    verdicts = []
+    for recipe in RECIPES:
+        for variant in ("frozen", "tied"):
+            verdicts.append(check_line(lines.pop(0), lambda rc=recipe, v=variant: _matches(outputs, reference, rc, v)))
+    for variant in ("frozen", "tied"):
+        verdicts.append(check_line(lines.pop(0), lambda v=variant: _sharded(outputs, reference, v, n)))
+    verdicts.append(check_line(lines.pop(0), lambda: _step_traffic(outputs, reference, n)))
+    return verdicts
 
 
 @functools.lru_cache(maxsize=1)
