@@ -74,3 +74,26 @@ def record_table(record: Mapping[str, Any], keys: Sequence[str]) -> Markdown:
     `predicted_<key>`, the prediction beside it; a dict value (bytes by role) shows its parts joined by ' / '."""
     rows = [[k.replace("_", " "), _value(record[k]), _value(record.get(f"predicted_{k}", "–"))] for k in keys]
     return markdown_table([f"record `{record.get('name', '')}`", "measured", "predicted"], rows)
+
+
+def _per_step(values: Sequence[float]) -> str:
+    """Each step's value to 2 decimals, or one value and the number of steps where they all agree."""
+    shown = [f"{v:.2f}" for v in values]
+    return f"{shown[0]} (all {len(shown)} steps)" if len(set(shown)) == 1 else " / ".join(shown)
+
+
+def offload_table(result: Mapping[str, Any], theory: Any) -> Markdown:
+    """ZeRO-Offload measured beside the plain optimizer and beside theory, one row each: the bytes per parameter
+    each keeps on the device and on the host after a step, the bytes copied over the host link per step as a
+    multiple of theory's (down in the backward, up after the step; every step's), and the peak of one step.
+    `result`: `distlab.course.pipeline.offloaded.offload_demo`'s; `theory`: `distlab.theory.pipeline.offload(psi)`."""
+    psi = result["psi"]
+    down = _per_step([d / theory.down_bytes for d, _ in result["moved"]])
+    up = _per_step([u / theory.up_bytes for _, u in result["moved"]])
+    rows = [["offload (measured)", f"{result['offload']['device'] / psi:.2f}", f"{result['offload']['host'] / psi:.2f}",
+             down, up, f"{result['peaks']['offload']:,}"],
+            ["plain, on the device (measured)", f"{result['plain']['device'] / psi:.2f}",
+             f"{result['plain']['host'] / psi:.2f}", "–", "–", f"{result['peaks']['plain']:,}"],
+            ["ZeRO-Offload (theory)", f"{theory.device_bytes / psi:.0f}", f"{theory.host_bytes / psi:.0f}", "1", "1", "–"]]
+    return markdown_table(["optimizer", "device, B/param", "host, B/param", "down per step / 2Ψ", "up per step / 2Ψ",
+                           "peak of one step, B"], rows)
