@@ -28,14 +28,15 @@ a bucket, in which order, and where each gradient view sits in the flat buffer.
 from __future__ import annotations
 
 import functools
+from functools import partial
 from typing import Any
 
 import torch
 
 import distlab
 from distlab.checks.draws import draw_seed, drawn_batch_shards, drawn_weights, full_batches, load_weights, weights_of
-from distlab.checks.task import Case, Line, Task, grader, check_line, on_one_rank
-from distlab.checks.verdict import CheckFailed, compare, expect
+from distlab.checks.task import Case, Line, Row, check_line, grader, on_one_rank, per_ranks, table, task
+from distlab.checks.verdict import compare, expect
 from distlab.course.data_parallel.reference import make_model, one_thread, sgd, train_single, trainable
 from distlab.meters import track_comm
 from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
@@ -96,112 +97,118 @@ def _train_on(variant: str, batches: list) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().clone() for k, v in model.named_parameters()}
 
 
-class WrapperTask(Task):
-    """One rung: `NaiveDDP`, `OverlappedDDP` or `BucketedDDP`, trained end to end."""
+# ---- the three rungs, NaiveDDP, OverlappedDDP and BucketedDDP, each trained end to end ------------------
+# `cls`: the learner's class name, `kwargs`: what it is built with; `per`: what gets one all-reduce ("trainable
+# parameter" or "bucket"); `overlaps`: every all-reduce is launched during backward.
 
-    hang_hint = HANG_HINT
+def wrapper_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's shard of each step's batch and, on the broadcast case, its own
+    starting weights."""
+    out = drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
+    if case.args.get("broadcast"):
+        for mine in out:
+            mine.update(_weights("plain", rng, "start."))
+    return out
 
-    def __init__(self, name: str, answer: str, *, per: str, overlaps: bool, kwargs: dict | None = None) -> None:
-        self.name, self.answers, self.cls = name, (answer,), answer
-        self.per, self.overlaps, self.kwargs = per, overlaps, dict(kwargs or {})
 
-    def cases(self) -> list[Case]:
-        c = self.cls
-        return [Case(2, (f"{c}: initial broadcast from rank 0", f"{c}, 2 ranks, frozen weights",
-                         f"{c}, 2 ranks, tied weights", f"{c}, 2 ranks: collectives and bytes"),
-                     {"broadcast": True}),
-                Case(4, (f"{c}, 4 ranks, frozen weights", f"{c}, 4 ranks, tied weights",
-                         f"{c}, 4 ranks: collectives and bytes"))]
+def wrapper_exercise(case: Case, Wrapper: Any, inputs: dict | None = None, *, cls: str, kwargs: dict) -> dict:
+    """On every rank, with the learner's class: the weights after construction, then after training."""
+    r, n = distlab.rank(), distlab.world_size()
+    out: dict = {}
+    if case.args.get("broadcast"):
+        distlab.engine.runtime.progress(f"{cls}({n} ranks): the broadcast at construction")
+        start = _start_model("plain", r, inputs, "start.")     # every rank starts different ...
+        with track_comm() as built:                            # ... until the broadcast, metered
+            Wrapper(start, **kwargs)
+        out["broadcast"], out["broadcast", "comm"] = _named(start), built.stats()
+    for variant in ("frozen", "tied"):
+        distlab.engine.runtime.progress(f"{cls}, {n} ranks, {variant} weights: wrapping the model")
+        model = make_model(variant)
+        ddp = Wrapper(model, **kwargs)
+        opt = sgd(p for _, p in trainable(model))
+        for step in range(STEPS):
+            distlab.engine.runtime.progress(f"{cls}, {n} ranks, {variant} weights, step {step}")
+            x, y = _batch(step, r, n, inputs)
+            # every step whose parameters are judged is metered, and its traffic judged
+            with track_comm() as in_backward:
+                lm_loss(ddp, x, y).backward()
+            with track_comm() as in_finish:
+                ddp.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.setdefault((variant, "comm"), []).append((in_backward.stats(), in_finish.stats()))
+        out[variant, "buckets"] = len(getattr(ddp, "buckets", None) or [])
+        out[variant] = _named(model)
+    return out
 
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank's shard of each step's batch and, on the broadcast case, its own
-        starting weights."""
-        out = drawn_batch_shards(rng, case.world_size, STEPS, BATCH)
-        if case.args.get("broadcast"):
-            for mine in out:
-                mine.update(_weights("plain", rng, "start."))
-        return out
 
-    # -- on every rank, with the learner's class ---------------------------------------------------
-    def exercise(self, case: Case, Wrapper: Any, inputs: dict | None = None) -> dict:
-        r, n = distlab.rank(), distlab.world_size()
-        out: dict = {}
-        if case.args.get("broadcast"):
-            distlab.engine.runtime.progress(f"{self.cls}({n} ranks): the broadcast at construction")
-            start = _start_model("plain", r, inputs, "start.")     # every rank starts different ...
-            with track_comm() as built:                            # ... until the broadcast, metered
-                Wrapper(start, **self.kwargs)
-            out["broadcast"], out["broadcast", "comm"] = _named(start), built.stats()
-        for variant in ("frozen", "tied"):
-            distlab.engine.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights: wrapping the model")
-            model = make_model(variant)
-            ddp = Wrapper(model, **self.kwargs)
-            opt = sgd(p for _, p in trainable(model))
-            for step in range(STEPS):
-                distlab.engine.runtime.progress(f"{self.cls}, {n} ranks, {variant} weights, step {step}")
-                x, y = _batch(step, r, n, inputs)
-                # every step whose parameters are judged is metered, and its traffic judged
-                with track_comm() as in_backward:
-                    lm_loss(ddp, x, y).backward()
-                with track_comm() as in_finish:
-                    ddp.finish_gradient_synchronization()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                out.setdefault((variant, "comm"), []).append((in_backward.stats(), in_finish.stats()))
-            out[variant, "buckets"] = len(getattr(ddp, "buckets", None) or [])
-            out[variant] = _named(model)
-        return out
+def wrapper_reference(case: Case, inputs: list | None = None) -> dict:
+    """Here, without learner code: one process on the full batch (the same for every rung)."""
+    if inputs is None:
+        return _wrapper_reference()
+    ref = dict(_wrapper_reference())
+    ref.update(on_one_rank(_train_variants, full_batches(inputs, STEPS)))
+    if case.args.get("broadcast"):
+        ref["broadcast"] = weights_of(inputs[0], "start.")
+    return ref
 
-    # -- here, without learner code ----------------------------------------------------------------
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        if inputs is None:
-            return _wrapper_reference()
-        ref = dict(_wrapper_reference())
-        ref.update(on_one_rank(_train_variants, full_batches(inputs, STEPS)))
-        if case.args.get("broadcast"):
-            ref["broadcast"] = weights_of(inputs[0], "start.")
-        return ref
 
-    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
-        n, lines = case.world_size, list(case.lines)
-        verdicts = []
-        if case.args.get("broadcast"):
-            verdicts.append(check_line(lines.pop(0), lambda: _same_as_rank0(outputs, reference["broadcast"], "broadcast")))
-        for variant in ("frozen", "tied"):
-            verdicts.append(check_line(lines.pop(0), lambda v=variant: _matches(outputs, reference[v], v)))
-        verdicts.append(check_line(lines.pop(0), lambda: self._traffic(outputs, reference, n)))
-        return verdicts
+def wrapper_judge(case: Case, outputs: list, reference: dict, *, per: str, overlaps: bool) -> list[Line]:
+    n, lines = case.world_size, list(case.lines)
+    verdicts = []
+    if case.args.get("broadcast"):
+        verdicts.append(check_line(lines.pop(0), lambda: _same_as_rank0(outputs, reference["broadcast"], "broadcast")))
+    for variant in ("frozen", "tied"):
+        verdicts.append(check_line(lines.pop(0), lambda v=variant: _matches(outputs, reference[v], v)))
+    verdicts.append(check_line(lines.pop(0), lambda: _wrapper_traffic(outputs, reference, n, per, overlaps)))
+    return verdicts
 
-    def _traffic(self, outputs: list, reference: dict, n: int, variant: str = "frozen") -> str:
-        psi, params = reference[variant, "psi"], reference[variant, "trainable"]
-        want = round(comm_bytes_per_rank(psi, n, stage=0, bytes_per_element=4))   # fp32 gradients
-        for r, out in enumerate(outputs):
-            steps = out[variant, "comm"]
-            expect(len(steps) == STEPS, f"rank {r}: {len(steps)} metered steps, expected {STEPS}")
-            for step, (in_backward, in_finish) in enumerate(steps):   # every step: its parameters are judged
-                at = f"rank {r}" + (f" (step {step})" if step else "")
-                calls = {k: in_backward.calls.get(k, 0) + in_finish.calls.get(k, 0)
-                         for k in set(in_backward.calls) | set(in_finish.calls)}
-                others = {k: v for k, v in calls.items() if k != "all_reduce"}
-                expect(not others, f"{at}: unexpected collectives during the step: {others}")
-                got = calls.get("all_reduce", 0)
-                if self.per == "bucket":
-                    buckets = out[variant, "buckets"]
-                    expect(buckets > 1, f"{at}: expected several buckets of {BUCKET_MB} MiB, found {buckets}")
-                    expect(got == buckets, f"{at}: {got} all-reduces for {buckets} buckets: one per bucket")
-                else:
-                    expect(got == params, f"{at}: {got} all-reduces, expected one per trainable parameter "
-                                          f"({params})")
-                if self.overlaps:
-                    late = in_finish.calls.get("all_reduce", 0)
-                    expect(late == 0, f"{at}: {late} of {got} all-reduces started in "
-                                      "finish_gradient_synchronization(); launch them from the hooks, during backward")
-                sent = in_backward.total_bytes + in_finish.total_bytes
-                # Each all-reduce's bytes are rounded on their own: allow one byte per call.
-                expect(abs(sent - want) <= got,
-                       f"{at}: sent {sent} algorithmic bytes, expected 2*Psi*4*(N-1)/N = {want}")
-        when = ", all launched during backward" if self.overlaps else ""
-        return f"one all-reduce per {self.per}{when}, 2*Psi*4*(N-1)/N bytes"
+
+def _wrapper_traffic(outputs: list, reference: dict, n: int, per: str, overlaps: bool, variant: str = "frozen") -> str:
+    psi, params = reference[variant, "psi"], reference[variant, "trainable"]
+    want = round(comm_bytes_per_rank(psi, n, stage=0, bytes_per_element=4))   # fp32 gradients
+    for r, out in enumerate(outputs):
+        steps = out[variant, "comm"]
+        expect(len(steps) == STEPS, f"rank {r}: {len(steps)} metered steps, expected {STEPS}")
+        for step, (in_backward, in_finish) in enumerate(steps):   # every step: its parameters are judged
+            at = f"rank {r}" + (f" (step {step})" if step else "")
+            calls = {k: in_backward.calls.get(k, 0) + in_finish.calls.get(k, 0)
+                     for k in set(in_backward.calls) | set(in_finish.calls)}
+            others = {k: v for k, v in calls.items() if k != "all_reduce"}
+            expect(not others, f"{at}: unexpected collectives during the step: {others}")
+            got = calls.get("all_reduce", 0)
+            if per == "bucket":
+                buckets = out[variant, "buckets"]
+                expect(buckets > 1, f"{at}: expected several buckets of {BUCKET_MB} MiB, found {buckets}")
+                expect(got == buckets, f"{at}: {got} all-reduces for {buckets} buckets: one per bucket")
+            else:
+                expect(got == params, f"{at}: {got} all-reduces, expected one per trainable parameter "
+                                      f"({params})")
+            if overlaps:
+                late = in_finish.calls.get("all_reduce", 0)
+                expect(late == 0, f"{at}: {late} of {got} all-reduces started in "
+                                  "finish_gradient_synchronization(); launch them from the hooks, during backward")
+            sent = in_backward.total_bytes + in_finish.total_bytes
+            # Each all-reduce's bytes are rounded on their own: allow one byte per call.
+            expect(abs(sent - want) <= got,
+                   f"{at}: sent {sent} algorithmic bytes, expected 2*Psi*4*(N-1)/N = {want}")
+    when = ", all launched during backward" if overlaps else ""
+    return f"one all-reduce per {per}{when}, 2*Psi*4*(N-1)/N bytes"
+
+
+def wrapper(name: str, answer: str, *, per: str, overlaps: bool, kwargs: dict | None = None) -> Row:
+    """One rung's task: on 2 ranks the broadcast at construction, then on 2 and 4 ranks training with frozen and
+    with tied weights, and its collectives."""
+    c = answer
+    return task(name, answer,
+                per_ranks((2,), f"{c}: initial broadcast from rank 0", f"{c}, {{n}} ranks, frozen weights",
+                          f"{c}, {{n}} ranks, tied weights", f"{c}, {{n}} ranks: collectives and bytes",
+                          args={"broadcast": True})
+                + per_ranks((4,), f"{c}, {{n}} ranks, frozen weights", f"{c}, {{n}} ranks, tied weights",
+                            f"{c}, {{n}} ranks: collectives and bytes"),
+                inputs=wrapper_inputs, exercise=partial(wrapper_exercise, cls=c, kwargs=dict(kwargs or {})),
+                reference=wrapper_reference, judge=partial(wrapper_judge, per=per, overlaps=overlaps),
+                hang_hint=HANG_HINT)
 
 
 def _train_variants(batches: list) -> dict[str, dict[str, torch.Tensor]]:
@@ -250,124 +257,124 @@ def _matches(outputs: list, want: dict, variant: str) -> str:
     return "matches one process on the full batch"
 
 
-class BucketLayoutTask(Task):
-    """`BucketedDDP.__init__` only: buckets in backward order, closed at the size limit, views in place."""
+# ---- bucket_layout: `BucketedDDP.__init__` only: buckets in backward order, closed at the size limit, views in place.
 
-    name, answers = "bucket_layout", ("BucketedDDP",)
-    hang_hint = HANG_HINT
 
-    def cases(self) -> list[Case]:
-        return [Case(2, ("BucketedDDP.__init__: buckets in backward order, closed at 0.02 MiB",
-                         "BucketedDDP.__init__: gradient views inside each bucket's flat buffer",
-                         "BucketedDDP.__init__: starts from rank 0's weights"))]
+def bucket_layout_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's own starting weights of both models."""
+    return [{**_weights("frozen", rng, "frozen."), **_weights("tied", rng, "tied.")}
+            for _ in range(case.world_size)]
 
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank's own starting weights of both models."""
-        return [{**_weights("frozen", rng, "frozen."), **_weights("tied", rng, "tied.")}
-                for _ in range(case.world_size)]
 
-    def exercise(self, case: Case, Wrapper: Any, inputs: dict | None = None) -> dict:
-        out: dict = {}
-        for variant in ("frozen", "tied"):
-            distlab.engine.runtime.progress(f"BucketedDDP.__init__, {distlab.world_size()} ranks, {variant} weights")
-            model = _start_model(variant, distlab.rank(), inputs, f"{variant}.")
-            names = {id(p): k for k, p in model.named_parameters()}
-            with track_comm() as built:          # the weights judged come from the calls it counts
-                ddp = Wrapper(model, bucket_size_mb=BUCKET_MB)
-            out[variant, "comm"] = built.stats()
-            out[variant] = {
-                "buckets": [[names.get(id(p), "(not a parameter of the model)") for p in b.params]
-                            for b in ddp.buckets],
-                "flat": [(b.flat.numel(), b.flat.dtype, str(b.flat.device), b.flat.untyped_storage().data_ptr())
-                         for b in ddp.buckets],
-                "views": [[(v.data_ptr() - b.flat.data_ptr(), tuple(v.shape), v.untyped_storage().data_ptr())
-                           for v in b.views] for b in ddp.buckets],
-                "param_device": str(next(model.parameters()).device),
-                "params": _named(model),
-            }
-        return out
+def bucket_layout_exercise(case: Case, Wrapper: Any, inputs: dict | None = None) -> dict:
+    out: dict = {}
+    for variant in ("frozen", "tied"):
+        distlab.engine.runtime.progress(f"BucketedDDP.__init__, {distlab.world_size()} ranks, {variant} weights")
+        model = _start_model(variant, distlab.rank(), inputs, f"{variant}.")
+        names = {id(p): k for k, p in model.named_parameters()}
+        with track_comm() as built:          # the weights judged come from the calls it counts
+            ddp = Wrapper(model, bucket_size_mb=BUCKET_MB)
+        out[variant, "comm"] = built.stats()
+        out[variant] = {
+            "buckets": [[names.get(id(p), "(not a parameter of the model)") for p in b.params]
+                        for b in ddp.buckets],
+            "flat": [(b.flat.numel(), b.flat.dtype, str(b.flat.device), b.flat.untyped_storage().data_ptr())
+                     for b in ddp.buckets],
+            "views": [[(v.data_ptr() - b.flat.data_ptr(), tuple(v.shape), v.untyped_storage().data_ptr())
+                       for v in b.views] for b in ddp.buckets],
+            "param_device": str(next(model.parameters()).device),
+            "params": _named(model),
+        }
+    return out
 
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        ref: dict = {}
-        limit = BUCKET_MB * 2**20
-        for variant in ("frozen", "tied"):
-            model = make_model(variant, device="cpu")
-            buckets, group, size = [], [], 0
-            for k, p in reversed(trainable(model)):
-                group.append((k, tuple(p.shape), p.numel()))
-                size += p.numel() * p.element_size()
-                if size >= limit:
-                    buckets.append(group)
-                    group, size = [], 0
-            if group:
+
+def bucket_layout_reference(case: Case, inputs: list | None = None) -> dict:
+    ref: dict = {}
+    limit = BUCKET_MB * 2**20
+    for variant in ("frozen", "tied"):
+        model = make_model(variant, device="cpu")
+        buckets, group, size = [], [], 0
+        for k, p in reversed(trainable(model)):
+            group.append((k, tuple(p.shape), p.numel()))
+            size += p.numel() * p.element_size()
+            if size >= limit:
                 buckets.append(group)
-            start = (_named(make_model(variant, seed=SEED_OFFSET, device="cpu")) if inputs is None else
-                     weights_of(inputs[0], f"{variant}."))
-            ref[variant] = {"buckets": buckets, "params": start}
-        return ref
-
-    def judge(self, case: Case, outputs: list, reference: dict) -> list[Line]:
-        order, views, start = case.lines
-
-        def layout() -> str:
-            for variant in ("frozen", "tied"):
-                want = [[k for k, _, _ in b] for b in reference[variant]["buckets"]]
-                for r, out in enumerate(outputs):
-                    got = out[variant]["buckets"]
-                    flat_got, flat_want = [k for b in got for k in b], [k for b in want for k in b]
-                    expect(sorted(flat_got) == sorted(flat_want),
-                           f"{variant} weights, rank {r}: the buckets hold {sorted(set(flat_got) ^ set(flat_want)) or 'duplicates'}"
-                           " wrongly: every trainable parameter exactly once, no frozen one")
-                    expect(flat_got == flat_want, f"{variant} weights, rank {r}: parameters are not in the order "
-                                                  "backward produces them (reverse of module.parameters())")
-                    expect(got == want, f"{variant} weights, rank {r}: {len(got)} buckets of "
-                                        f"{[len(b) for b in got]} parameters, expected {len(want)} of "
-                                        f"{[len(b) for b in want]}: close a bucket once it holds >= {BUCKET_MB} MiB")
-            return f"{len(reference['frozen']['buckets'])} and {len(reference['tied']['buckets'])} buckets, " \
-                   "each trainable parameter once"
-
-        def in_place() -> str:
-            # Judged on the learner's own grouping (the layout line judges the grouping itself).
-            for variant in ("frozen", "tied"):
-                shapes = {k: (shape, m) for b in reference[variant]["buckets"] for k, shape, m in b}
-                for r, out in enumerate(outputs):
-                    o = out[variant]
-                    expect(len(o["flat"]) == len(o["buckets"]) == len(o["views"]),
-                           f"{variant}, rank {r}: {len(o['buckets'])} buckets but {len(o['flat'])} flat buffers")
-                    for i, (names, (numel, dtype, device, storage)) in enumerate(zip(o["buckets"], o["flat"])):
-                        expect(all(k in shapes for k in names), f"{variant}, rank {r}: bucket {i} holds a parameter "
-                                                                "that gets no gradient")
-                        want = sum(shapes[k][1] for k in names)
-                        expect(numel == want, f"{variant}, rank {r}: bucket {i}'s flat buffer has {numel} elements, "
-                                              f"its parameters {want}")
-                        expect(dtype == torch.float32, f"bucket {i}'s buffer is {dtype}, the gradients are float32")
-                        expect(device == o["param_device"], f"bucket {i}'s buffer is on {device}, the parameters "
-                                                            f"on {o['param_device']}")
-                        expect(len(o["views"][i]) == len(names), f"bucket {i} has {len(o['views'][i])} views for "
-                                                                 f"{len(names)} parameters")
-                        offset = 0
-                        for k, (at, vshape, vstorage) in zip(names, o["views"][i]):
-                            shape, m = shapes[k]
-                            expect(vstorage == storage and at == 4 * offset and vshape == shape,
-                                   f"{variant}, rank {r}: the view of {k} is not its slice of bucket {i}'s flat "
-                                   f"buffer (offset {offset}, shape {shape})")
-                            offset += m
-            return "each gradient's view is its slice of the flat buffer"
-
-        def broadcast() -> str:
-            for variant in ("frozen", "tied"):
-                _same_as_rank0([{"start": out[variant]["params"], ("start", "comm"): out[variant, "comm"]}
-                                for out in outputs], reference[variant]["params"], "start")
-            return "every rank holds rank 0's weights"
-
-        return [check_line(order, layout), check_line(views, in_place), check_line(start, broadcast)]
+                group, size = [], 0
+        if group:
+            buckets.append(group)
+        start = (_named(make_model(variant, seed=SEED_OFFSET, device="cpu")) if inputs is None else
+                 weights_of(inputs[0], f"{variant}."))
+        ref[variant] = {"buckets": buckets, "params": start}
+    return ref
 
 
-TASKS = {t.name: t for t in (
-    WrapperTask("naive", "NaiveDDP", per="trainable parameter", overlaps=False),
-    WrapperTask("overlapped", "OverlappedDDP", per="trainable parameter", overlaps=True),
-    BucketLayoutTask(),
-    WrapperTask("bucketed", "BucketedDDP", per="bucket", overlaps=True, kwargs={"bucket_size_mb": BUCKET_MB}),
-)}
+def bucket_layout_judge(case: Case, outputs: list, reference: dict) -> list[Line]:
+    order, views, start = case.lines
+
+    def layout() -> str:
+        for variant in ("frozen", "tied"):
+            want = [[k for k, _, _ in b] for b in reference[variant]["buckets"]]
+            for r, out in enumerate(outputs):
+                got = out[variant]["buckets"]
+                flat_got, flat_want = [k for b in got for k in b], [k for b in want for k in b]
+                expect(sorted(flat_got) == sorted(flat_want),
+                       f"{variant} weights, rank {r}: the buckets hold {sorted(set(flat_got) ^ set(flat_want)) or 'duplicates'}"
+                       " wrongly: every trainable parameter exactly once, no frozen one")
+                expect(flat_got == flat_want, f"{variant} weights, rank {r}: parameters are not in the order "
+                                              "backward produces them (reverse of module.parameters())")
+                expect(got == want, f"{variant} weights, rank {r}: {len(got)} buckets of "
+                                    f"{[len(b) for b in got]} parameters, expected {len(want)} of "
+                                    f"{[len(b) for b in want]}: close a bucket once it holds >= {BUCKET_MB} MiB")
+        return f"{len(reference['frozen']['buckets'])} and {len(reference['tied']['buckets'])} buckets, " \
+               "each trainable parameter once"
+
+    def in_place() -> str:
+        # Judged on the learner's own grouping (the layout line judges the grouping itself).
+        for variant in ("frozen", "tied"):
+            shapes = {k: (shape, m) for b in reference[variant]["buckets"] for k, shape, m in b}
+            for r, out in enumerate(outputs):
+                o = out[variant]
+                expect(len(o["flat"]) == len(o["buckets"]) == len(o["views"]),
+                       f"{variant}, rank {r}: {len(o['buckets'])} buckets but {len(o['flat'])} flat buffers")
+                for i, (names, (numel, dtype, device, storage)) in enumerate(zip(o["buckets"], o["flat"])):
+                    expect(all(k in shapes for k in names), f"{variant}, rank {r}: bucket {i} holds a parameter "
+                                                            "that gets no gradient")
+                    want = sum(shapes[k][1] for k in names)
+                    expect(numel == want, f"{variant}, rank {r}: bucket {i}'s flat buffer has {numel} elements, "
+                                          f"its parameters {want}")
+                    expect(dtype == torch.float32, f"bucket {i}'s buffer is {dtype}, the gradients are float32")
+                    expect(device == o["param_device"], f"bucket {i}'s buffer is on {device}, the parameters "
+                                                        f"on {o['param_device']}")
+                    expect(len(o["views"][i]) == len(names), f"bucket {i} has {len(o['views'][i])} views for "
+                                                             f"{len(names)} parameters")
+                    offset = 0
+                    for k, (at, vshape, vstorage) in zip(names, o["views"][i]):
+                        shape, m = shapes[k]
+                        expect(vstorage == storage and at == 4 * offset and vshape == shape,
+                               f"{variant}, rank {r}: the view of {k} is not its slice of bucket {i}'s flat "
+                               f"buffer (offset {offset}, shape {shape})")
+                        offset += m
+        return "each gradient's view is its slice of the flat buffer"
+
+    def broadcast() -> str:
+        for variant in ("frozen", "tied"):
+            _same_as_rank0([{"start": out[variant]["params"], ("start", "comm"): out[variant, "comm"]}
+                            for out in outputs], reference[variant]["params"], "start")
+        return "every rank holds rank 0's weights"
+
+    return [check_line(order, layout), check_line(views, in_place), check_line(start, broadcast)]
+
+
+TASKS = table(
+    wrapper("naive", "NaiveDDP", per="trainable parameter", overlaps=False),
+    wrapper("overlapped", "OverlappedDDP", per="trainable parameter", overlaps=True),
+    task("bucket_layout", "BucketedDDP",
+         per_ranks((2,), "BucketedDDP.__init__: buckets in backward order, closed at 0.02 MiB",
+                   "BucketedDDP.__init__: gradient views inside each bucket's flat buffer",
+                   "BucketedDDP.__init__: starts from rank 0's weights"),
+         inputs=bucket_layout_inputs, exercise=bucket_layout_exercise, reference=bucket_layout_reference,
+         judge=bucket_layout_judge, hang_hint=HANG_HINT),
+    wrapper("bucketed", "BucketedDDP", per="bucket", overlaps=True, kwargs={"bucket_size_mb": BUCKET_MB}),
+)
 
 grade = grader(TASKS)
