@@ -58,13 +58,17 @@ def strings(lines) -> list[str]:
 
 def only(task, world_size: int = 2):
     """`task` restricted to its `world_size`-rank case(s) (a copy; the task itself is unchanged)."""
+    return with_cases(task, [c for c in task.cases() if c.world_size == world_size])
+
+
+def with_cases(task, cases):
+    """A copy of `task` that runs `cases` (some of its own) instead of all of them."""
     import copy
     import dataclasses
-    cases = [c for c in task.cases() if c.world_size == world_size]
     if dataclasses.is_dataclass(task):          # a row of a chapter's table (checks.task.Row)
         return dataclasses.replace(task, case_list=tuple(cases))
     t = copy.copy(task)                         # a Task subclass
-    t.cases = lambda: cases
+    t.cases = lambda: list(cases)
     return t
 
 

@@ -9,6 +9,7 @@ path (the solution passes every case, 2 and 4 ranks, in solutions/07 under nbval
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -28,15 +29,12 @@ def _lines(task, **replace):
 def _first_case(task, **replace):
     """The verdict lines of the task's first case only (2 ranks): a wrong answer takes the same code
     path on 4 ranks, and the solution passes every case in solutions/07 (nbval)."""
-    import copy
-
     from distlab.checks import lab_module, run_task
-    from labkit import answers
+    from labkit import answers, with_cases
     t = lab_module(LAB).TASKS[task]
-    one = copy.copy(t)
     first = t.cases()[0]
     assert first.world_size == 2
-    one.cases = lambda: [first]
+    one = with_cases(t, [first])
     ns = answers(LAB, replace=replace)
     return [str(line) for line in run_task(one, [getattr(ns, name) for name in t.answers])]
 
@@ -229,12 +227,10 @@ def test_forged_outputs_are_judged_outside_the_ranks(no_orphans):
     from distlab.checks import run_task
     from distlab.checks.ch07 import TASKS
 
-    class Forger(type(TASKS["mlp"])):
-        def exercise(self, case, answer):
-            return {"out": "a tensor, honestly", "fwd": 42}
+    def forged(case, answer):
+        return {"out": "a tensor, honestly", "fwd": 42}
 
-    t = TASKS["mlp"]
-    out = [str(line) for line in run_task(Forger(t.name, t.answers[0], t.words, t.part), [object])]
+    out = [str(line) for line in run_task(dataclasses.replace(TASKS["mlp"], exercise_fn=forged), [object])]
     assert all(line.startswith("FAIL") and "malformed result" in line for line in out), out
 
 

@@ -3,7 +3,8 @@ fails the line that names it and passes the others. One 2-rank launch per mistak
 verdicts are also judged directly on made-up rank outputs (no launch)."""
 from __future__ import annotations
 
-from distlab.checks.ch07_cp import UlyssesTask, ZigzagTask, pair_flops
+from distlab.checks.ch07 import TASKS
+from distlab.checks.ch07_cp import pair_flops
 from distlab.meters import CommStats
 
 from test_ch07_checks import _first_case, _status
@@ -58,7 +59,7 @@ def _judge(task, case, outputs):
 
 
 def test_zigzag_balance_and_traffic_verdicts():
-    task = ZigzagTask()
+    task = TASKS["zigzag"]
     case = task.cases()[0]                                   # 2 ranks
     want_send = 2 * (2 - 1) / 2 * 2 * 32 * 64 * 4             # 2(cp-1)/cp x B S h e, fp32
     good = CommStats(calls={"send": 1, "recv": 1}, bytes={"send": int(want_send), "recv": 0})
@@ -77,7 +78,7 @@ def test_zigzag_balance_and_traffic_verdicts():
 
 
 def test_ulysses_judges_four_all_to_alls():
-    task = UlyssesTask()
+    task = TASKS["ulysses"]
     case = task.cases()[1]                                   # 4 ranks
     one = int(3 / 4 * 2 * 8 * 32 // 4 * 8 * 4)
     ok = CommStats(calls={"all_to_all": 4}, bytes={"all_to_all": 4 * one})

@@ -20,16 +20,20 @@ another's from the package's seeds. The layers' weights stay the package's (ever
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.checks.ch07_cp import UlyssesTask, ZigzagTask
-from distlab.checks.ch07_sp import SPBlockTask, SPOpsTask
-from distlab.checks.task import Case, Line, Task, grader, check_line
-from distlab.checks.verdict import CheckFailed, expect
+from distlab.checks.ch07_cp import (ulysses_exercise, ulysses_inputs, ulysses_judge, ulysses_reference, zigzag_exercise,
+                                    zigzag_inputs, zigzag_judge, zigzag_reference)
+from distlab.checks.ch07_sp import (sp_block_exercise, sp_block_inputs, sp_block_judge, sp_block_reference,
+                                    sp_ops_exercise, sp_ops_inputs, sp_ops_judge, sp_ops_reference)
+from distlab.checks.task import Case, Line, Row, check_line, grader, per_ranks, table, task
+from distlab.checks.verdict import expect
 from distlab.meters import track_comm
 from distlab.course.tensor_parallel.model import build_tp_model
 
@@ -40,101 +44,96 @@ from distlab.checks.ch07_common import (  # noqa: F401 - PRELUDE and the constan
 
 # ---- Task 1: f and g --------------------------------------------------------------------------------
 
-class FG(Task):
-    name, answers, hang_hint = "f_g", ("CopyToTP", "ReduceFromTP"), HANG_HINT
+# Each rank's four tensors: f's input and output gradient, g's input and output gradient.
+F_G_KEYS = ("f_x", "f_dy", "g_x", "g_dz")
 
-    def cases(self) -> list[Case]:
-        out = [Case(n, (f"f_g, {n} ranks, values", f"f_g, {n} ranks, traffic"), {"groups": 1}) for n in (2, 4)]
-        out.append(Case(4, ("f_g, 4 ranks in 2 groups, values", "f_g, 4 ranks in 2 groups, traffic"), {"groups": 2}))
-        return out
 
-    # Each rank's four tensors: f's input and output gradient, g's input and output gradient.
-    KEYS = ("f_x", "f_dy", "g_x", "g_dz")
+def f_g_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: every rank's four tensors, drawn; in the notebook `_fixed`'s seeded ones."""
+    shape = (B, CFG.seq_len, CFG.d_model)
+    return [{k: torch.randn(*shape, generator=rng) for k in F_G_KEYS} for _ in range(case.world_size)]
 
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: every rank's four tensors, drawn; in the notebook `_fixed`'s seeded ones."""
-        shape = (B, CFG.seq_len, CFG.d_model)
-        return [{k: torch.randn(*shape, generator=rng) for k in self.KEYS} for _ in range(case.world_size)]
 
-    def _fixed(self, r: int) -> dict[str, torch.Tensor]:
-        shape = (B, CFG.seq_len, CFG.d_model)
-        return {k: randn(*shape, seed=100 * i + r) for i, k in enumerate(self.KEYS)}
+def _f_g_fixed(r: int) -> dict[str, torch.Tensor]:
+    shape = (B, CFG.seq_len, CFG.d_model)
+    return {k: randn(*shape, seed=100 * i + r) for i, k in enumerate(F_G_KEYS)}
 
-    def exercise(self, case: Case, f: Any, g: Any, inputs: dict | None = None) -> dict:
-        r, n = distlab.rank(), distlab.world_size()
-        mine = self._fixed(r) if inputs is None else inputs
-        group = None
-        if case.args["groups"] > 1:
-            size = n // case.args["groups"]
-            groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]
-            group = groups[r // size]
-        return {"f": metered_pair(f, mine["f_x"], mine["f_dy"], group, "f (CopyToTP)"),
-                "g": metered_pair(g, mine["g_x"], mine["g_dz"], group, "g (ReduceFromTP)")}
 
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        n = case.world_size
+def f_g_exercise(case: Case, f: Any, g: Any, inputs: dict | None = None) -> dict:
+    r, n = distlab.rank(), distlab.world_size()
+    mine = _f_g_fixed(r) if inputs is None else inputs
+    group = None
+    if case.args["groups"] > 1:
         size = n // case.args["groups"]
-        given = [self._fixed(r) for r in range(n)] if inputs is None else inputs
-        ref = {}
-        for r in range(n):
-            mates = range(r // size * size, r // size * size + size)
-            ref[r] = {"f_out": given[r]["f_x"],
-                      "f_grad": sum(given[m]["f_dy"] for m in mates),
-                      "g_out": sum(given[m]["g_x"] for m in mates),
-                      "g_grad": given[r]["g_dz"]}
-        return {"ranks": ref, "size": size}
+        groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]
+        group = groups[r // size]
+    return {"f": metered_pair(f, mine["f_x"], mine["f_dy"], group, "f (CopyToTP)"),
+            "g": metered_pair(g, mine["g_x"], mine["g_dz"], group, "g (ReduceFromTP)")}
 
-    def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
-        t, numel = ref["size"], B * CFG.seq_len * CFG.d_model
 
-        def values() -> str:
-            def check(r: int, out: dict) -> None:
-                want = ref["ranks"][r]
-                same(out["f"]["out"], want["f_out"], "f's output (must be its input)")
-                same(out["f"]["grad"], want["f_grad"], "f's input gradient (the sum over the group)")
-                same(out["g"]["out"], want["g_out"], "g's output (the sum over the group)")
-                same(out["g"]["grad"], want["g_grad"], "g's input gradient (must be the output gradient)")
-            return values_line(outputs, check)
+def f_g_reference(case: Case, inputs: list | None = None) -> dict:
+    n = case.world_size
+    size = n // case.args["groups"]
+    given = [_f_g_fixed(r) for r in range(n)] if inputs is None else inputs
+    ref = {}
+    for r in range(n):
+        mates = range(r // size * size, r // size * size + size)
+        ref[r] = {"f_out": given[r]["f_x"],
+                  "f_grad": sum(given[m]["f_dy"] for m in mates),
+                  "g_out": sum(given[m]["g_x"] for m in mates),
+                  "g_grad": given[r]["g_dz"]}
+    return {"ranks": ref, "size": size}
 
-        def traffic() -> str:
-            for r, out in enumerate(outputs):
-                expect_traffic(f"rank {r}, f forward", out["f"]["fwd"], {})
-                expect_traffic(f"rank {r}, f backward", out["f"]["bwd"], {"all_reduce": all_reduce_of(numel, t)})
-                expect_traffic(f"rank {r}, g forward", out["g"]["fwd"], {"all_reduce": all_reduce_of(numel, t)})
-                expect_traffic(f"rank {r}, g backward", out["g"]["bwd"], {})
-            return "f: nothing forward, one all-reduce backward; g: the reverse"
 
-        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
+def f_g_judge(case: Case, outputs: list, ref: dict) -> list[Line]:
+    t, numel = ref["size"], B * CFG.seq_len * CFG.d_model
+
+    def values() -> str:
+        def check(r: int, out: dict) -> None:
+            want = ref["ranks"][r]
+            same(out["f"]["out"], want["f_out"], "f's output (must be its input)")
+            same(out["f"]["grad"], want["f_grad"], "f's input gradient (the sum over the group)")
+            same(out["g"]["out"], want["g_out"], "g's output (the sum over the group)")
+            same(out["g"]["grad"], want["g_grad"], "g's input gradient (must be the output gradient)")
+        return values_line(outputs, check)
+
+    def traffic() -> str:
+        for r, out in enumerate(outputs):
+            expect_traffic(f"rank {r}, f forward", out["f"]["fwd"], {})
+            expect_traffic(f"rank {r}, f backward", out["f"]["bwd"], {"all_reduce": all_reduce_of(numel, t)})
+            expect_traffic(f"rank {r}, g forward", out["g"]["fwd"], {"all_reduce": all_reduce_of(numel, t)})
+            expect_traffic(f"rank {r}, g backward", out["g"]["bwd"], {})
+        return "f: nothing forward, one all-reduce backward; g: the reverse"
+
+    return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
 
 
 # ---- Tasks 2-5: one layer at a time -----------------------------------------------------------------
+# Build the learner's layer from a reference layer on every rank; one forward and backward. A `Layer` says
+# what differs between the four: the reference layer, what rank r feeds in and the gradient it puts on the
+# output (`feed_dim`, `grad_dim`: the dimension its slice of each is cut along, None: the whole), what its
+# outputs should be, and the traffic. Every rank holds the whole layer (by design); under grading the input
+# and the output gradient are drawn (`layer_inputs`) and rank r receives only its slice of each.
 
-class LayerTask(Task):
-    """Build the learner's layer from a reference layer on every rank; one forward and backward.
+def _whole(y: torch.Tensor, r: int, t: int) -> torch.Tensor:
+    return y                                     # what rank r's output should be, of the full one
 
-    Subclasses give `make(answer, ref_layer)`, what rank r feeds in and the gradient it puts on the output
-    (`feed_dim`, `grad_dim`: the dimension its slice of each is cut along, None: the whole), what its outputs
-    should be, and the traffic. Every rank holds the whole layer (by design); under grading the input and the
-    output gradient are drawn (`inputs`) and rank r receives only its slice of each."""
 
-    hang_hint = HANG_HINT
-    lines_of = ("shards", "values", "traffic")
-    prefix = ""          # the reference layer's name in its block: decides how a parameter is split
-    feed_dim: int | None = None      # rank r's part of the input: chunk r along this dimension (None: all of it)
-    grad_dim: int | None = None      # the same for the gradient put on the output
+def _whole_x_grad(ref: dict, r: int, t: int) -> torch.Tensor:
+    return ref["x_grad"]
 
-    def __init__(self, name: str, answer: str, words: str) -> None:
-        self.name, self.answers, self.words = name, (answer,), words
 
-    def cases(self) -> list[Case]:
-        return [Case(n, tuple(f"{self.name}, {n} ranks, {k}" for k in self.lines_of)) for n in (2, 4)]
-
-    # subclass hooks -----------------------------------------------------------------------------
-    def ref_layer(self) -> torch.nn.Module:
-        raise NotImplementedError
-
-    def make(self, answer: Any, layer: torch.nn.Module) -> torch.nn.Module:
-        return answer(layer)
+@dataclass(frozen=True)
+class Layer:
+    ref_layer: Callable[[], torch.nn.Module]
+    traffic: Callable[[int], tuple[dict, dict]]  # forward's and backward's expected collectives on t ranks
+    prefix: str = ""             # the reference layer's name in its block: decides how a parameter is split
+    feed_dim: int | None = None  # rank r's part of the input: chunk r along this dimension (None: all of it)
+    grad_dim: int | None = None  # the same for the gradient put on the output
+    in_features: int = CFG.d_model
+    out_features: int = CFG.d_model
+    out_of: Callable[[torch.Tensor, int, int], torch.Tensor] = _whole
+    in_grad_of: Callable[[dict, int, int], torch.Tensor] = _whole_x_grad
 
     def feed(self, x: torch.Tensor, r: int, t: int) -> torch.Tensor:
         """What rank r gets of the full input."""
@@ -144,233 +143,241 @@ class LayerTask(Task):
         """What rank r gets of the full output gradient."""
         return g if self.grad_dim is None else g.chunk(t, self.grad_dim)[r].clone()
 
-    def out_of(self, y: torch.Tensor, r: int, t: int) -> torch.Tensor:
-        return y                                     # what rank r's output should be, of the full one
-
-    def in_grad_of(self, ref: dict, r: int, t: int) -> torch.Tensor:
-        return ref["x_grad"]
-
-    def traffic(self, t: int) -> tuple[dict, dict]:
-        raise NotImplementedError
-
-    def in_features(self) -> int:
-        return CFG.d_model
-
-    def out_features(self) -> int:
-        return CFG.d_model
-
-    # the task ------------------------------------------------------------------------------------
-    def _full(self) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    def full(self) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
         layer = self.ref_layer()
-        x = randn(B, CFG.seq_len, self.in_features(), seed=7)
-        g = randn(B, CFG.seq_len, self.out_features(), seed=8)
+        x = randn(B, CFG.seq_len, self.in_features, seed=7)
+        g = randn(B, CFG.seq_len, self.out_features, seed=8)
         return layer, x, g
 
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: the input and the output gradient drawn; rank r receives only its part of each."""
-        t = case.world_size
-        x = torch.randn(B, CFG.seq_len, self.in_features(), generator=rng)
-        g = torch.randn(B, CFG.seq_len, self.out_features(), generator=rng)
-        return [{"x": self.feed(x, r, t), "g": self.grad_out(g, r, t)} for r in range(t)]
 
-    def exercise(self, case: Case, answer: Any, inputs: dict | None = None) -> dict:
-        r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
-        layer, x, g = self._full()
-        distlab.engine.runtime.progress(f"{self.name}: building from the full layer ({t} ranks)")
-        mine = self.make(answer, layer.to(dev))
-        xin = (self.feed(x, r, t) if inputs is None else inputs["x"]).to(dev).requires_grad_()
-        distlab.engine.runtime.progress(f"{self.name}: forward")
-        with track_comm() as fwd:
-            y = mine(xin)
-        distlab.engine.runtime.progress(f"{self.name}: backward")
-        with track_comm() as bwd:
-            y.backward((self.grad_out(g, r, t) if inputs is None else inputs["g"]).to(dev))
-        return {"out": y.detach(), "x_grad": xin.grad,
-                "params": {k: p.detach() for k, p in mine.named_parameters()},
-                "grads": {k: p.grad for k, p in mine.named_parameters()},
-                "fwd": fwd.stats(), "bwd": bwd.stats()}
-
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        layer, x, g = self._full()
-        if inputs is not None:      # the drawn ones, put back together from the ranks' parts
-            x, g = (inputs[0][k] if dim is None else torch.cat([i[k] for i in inputs], dim)
-                    for k, dim in (("x", self.feed_dim), ("g", self.grad_dim)))
-        x = x.clone().requires_grad_()
-        y = layer(x)
-        y.backward(g)
-        return {"out": y.detach(), "x_grad": x.grad, "g": g,
-                "params": {k: p.detach() for k, p in layer.named_parameters()},
-                "grads": {k: p.grad for k, p in layer.named_parameters()}}
-
-    def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
-        t = case.world_size
-
-        def shards() -> str:
-            def check(r: int, out: dict) -> None:
-                names, want = set(out["params"]), set(ref["params"])
-                expect(names == want, f"parameters {sorted(names)}; expected the names {sorted(want)}")
-                for k in sorted(want):
-                    same(out["params"][k], shard_of(self.prefix + k, ref["params"][k], r, t), f"parameter {k}", 0, 0)
-            values_line(outputs, check)
-            return f"each rank holds its 1/{t} of every split weight"
-
-        def values() -> str:
-            def check(r: int, out: dict) -> None:
-                same(out["out"], self.out_of(ref["out"], r, t), "the output")
-                same(out["x_grad"], self.in_grad_of(ref, r, t), "the input gradient")
-                for k in sorted(ref["grads"]):
-                    same(out["grads"].get(k), shard_of(self.prefix + k, ref["grads"][k], r, t), f"the gradient of {k}")
-            return values_line(outputs, check)
-
-        def traffic() -> str:
-            fwd, bwd = self.traffic(t)
-            for r, out in enumerate(outputs):
-                expect_traffic(f"rank {r}, forward", out["fwd"], fwd)
-                expect_traffic(f"rank {r}, backward", out["bwd"], bwd)
-            return self.words
-
-        return [check_line(case.lines[0], shards), check_line(case.lines[1], values), check_line(case.lines[2], traffic)]
+def layer_inputs(layer: Layer, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: the input and the output gradient drawn; rank r receives only its part of each."""
+    t = case.world_size
+    x = torch.randn(B, CFG.seq_len, layer.in_features, generator=rng)
+    g = torch.randn(B, CFG.seq_len, layer.out_features, generator=rng)
+    return [{"x": layer.feed(x, r, t), "g": layer.grad_out(g, r, t)} for r in range(t)]
 
 
-class ColumnTask(LayerTask):
-    prefix = "fc."
-
-    def ref_layer(self) -> torch.nn.Module:
-        return block(1).mlp.fc                   # h -> 4h
-
-    grad_dim = -1                                # rank r gets the gradient of its columns of the output
-
-    def out_features(self) -> int:
-        return CFG.d_ff
-
-    def out_of(self, y: torch.Tensor, r: int, t: int) -> torch.Tensor:
-        return y.chunk(t, -1)[r]
-
-    def in_grad_of(self, ref: dict, r: int, t: int) -> torch.Tensor:
-        # No f inside: rank r's input gradient is its own part, g_r @ W_r.
-        return ref["g"].chunk(t, -1)[r] @ ref["params"]["weight"].chunk(t, 0)[r]
-
-    def traffic(self, t: int) -> tuple[dict, dict]:
-        return {}, {}
+def layer_exercise(name: str, layer: Layer, case: Case, answer: Any, inputs: dict | None = None) -> dict:
+    r, t, dev = distlab.rank(), distlab.world_size(), distlab.device()
+    full, x, g = layer.full()
+    distlab.engine.runtime.progress(f"{name}: building from the full layer ({t} ranks)")
+    mine = answer(full.to(dev))
+    xin = (layer.feed(x, r, t) if inputs is None else inputs["x"]).to(dev).requires_grad_()
+    distlab.engine.runtime.progress(f"{name}: forward")
+    with track_comm() as fwd:
+        y = mine(xin)
+    distlab.engine.runtime.progress(f"{name}: backward")
+    with track_comm() as bwd:
+        y.backward((layer.grad_out(g, r, t) if inputs is None else inputs["g"]).to(dev))
+    return {"out": y.detach(), "x_grad": xin.grad,
+            "params": {k: p.detach() for k, p in mine.named_parameters()},
+            "grads": {k: p.grad for k, p in mine.named_parameters()},
+            "fwd": fwd.stats(), "bwd": bwd.stats()}
 
 
-class RowTask(LayerTask):
-    prefix = "out."
-
-    def ref_layer(self) -> torch.nn.Module:
-        return block(2).mlp.out                  # 4h -> h
-
-    feed_dim = -1                                # rank r gets its columns of the input
-
-    def in_features(self) -> int:
-        return CFG.d_ff
-
-    def in_grad_of(self, ref: dict, r: int, t: int) -> torch.Tensor:
-        return ref["x_grad"].chunk(t, -1)[r]
-
-    def traffic(self, t: int) -> tuple[dict, dict]:
-        return {"all_reduce": all_reduce_of(B * CFG.seq_len * CFG.d_model, t)}, {}
+def layer_reference(layer: Layer, case: Case, inputs: list | None = None) -> dict:
+    full, x, g = layer.full()
+    if inputs is not None:      # the drawn ones, put back together from the ranks' parts
+        x, g = (inputs[0][k] if dim is None else torch.cat([i[k] for i in inputs], dim)
+                for k, dim in (("x", layer.feed_dim), ("g", layer.grad_dim)))
+    x = x.clone().requires_grad_()
+    y = full(x)
+    y.backward(g)
+    return {"out": y.detach(), "x_grad": x.grad, "g": g,
+            "params": {k: p.detach() for k, p in full.named_parameters()},
+            "grads": {k: p.grad for k, p in full.named_parameters()}}
 
 
-class BlockPartTask(LayerTask):
-    """The MLP or the attention: f at the entry, g at the exit."""
+def layer_judge(layer: Layer, words: str, case: Case, outputs: list, ref: dict) -> list[Line]:
+    t = case.world_size
 
-    def __init__(self, name: str, answer: str, words: str, part: str) -> None:
-        super().__init__(name, answer, words)
-        self.part = part
+    def shards() -> str:
+        def check(r: int, out: dict) -> None:
+            names, want = set(out["params"]), set(ref["params"])
+            expect(names == want, f"parameters {sorted(names)}; expected the names {sorted(want)}")
+            for k in sorted(want):
+                same(out["params"][k], shard_of(layer.prefix + k, ref["params"][k], r, t), f"parameter {k}", 0, 0)
+        values_line(outputs, check)
+        return f"each rank holds its 1/{t} of every split weight"
 
-    def ref_layer(self) -> torch.nn.Module:
-        return getattr(block(3), self.part)
+    def values() -> str:
+        def check(r: int, out: dict) -> None:
+            same(out["out"], layer.out_of(ref["out"], r, t), "the output")
+            same(out["x_grad"], layer.in_grad_of(ref, r, t), "the input gradient")
+            for k in sorted(ref["grads"]):
+                same(out["grads"].get(k), shard_of(layer.prefix + k, ref["grads"][k], r, t), f"the gradient of {k}")
+        return values_line(outputs, check)
 
-    def traffic(self, t: int) -> tuple[dict, dict]:
-        one = {"all_reduce": all_reduce_of(B * CFG.seq_len * CFG.d_model, t)}
-        return one, one
+    def traffic() -> str:
+        fwd, bwd = layer.traffic(t)
+        for r, out in enumerate(outputs):
+            expect_traffic(f"rank {r}, forward", out["fwd"], fwd)
+            expect_traffic(f"rank {r}, backward", out["bwd"], bwd)
+        return words
+
+    return [check_line(case.lines[0], shards), check_line(case.lines[1], values), check_line(case.lines[2], traffic)]
+
+
+def layer_task(name: str, answer: str, words: str, layer: Layer) -> Row:
+    """One layer's task on 2 and 4 ranks: its shards, its values, its traffic (said as `words`)."""
+    return task(name, answer, per_ranks((2, 4), *(f"{name}, {{n}} ranks, {k}" for k in ("shards", "values", "traffic"))),
+                inputs=partial(layer_inputs, layer), exercise=partial(layer_exercise, name, layer),
+                reference=partial(layer_reference, layer), judge=partial(layer_judge, layer, words),
+                hang_hint=HANG_HINT)
+
+
+# Column: h -> 4h; rank r gets the gradient of its columns of the output. No f inside: rank r's input
+# gradient is its own part, g_r @ W_r.
+def _fc() -> torch.nn.Module:
+    return block(1).mlp.fc
+
+
+def _columns_of_output(y: torch.Tensor, r: int, t: int) -> torch.Tensor:
+    return y.chunk(t, -1)[r]
+
+
+def _column_x_grad(ref: dict, r: int, t: int) -> torch.Tensor:
+    return ref["g"].chunk(t, -1)[r] @ ref["params"]["weight"].chunk(t, 0)[r]
+
+
+def _no_traffic(t: int) -> tuple[dict, dict]:
+    return {}, {}
+
+
+COLUMN = Layer(_fc, _no_traffic, prefix="fc.", grad_dim=-1, out_features=CFG.d_ff, out_of=_columns_of_output,
+               in_grad_of=_column_x_grad)
+
+
+# Row: 4h -> h; rank r gets its columns of the input.
+def _out() -> torch.nn.Module:
+    return block(2).mlp.out
+
+
+def _row_x_grad(ref: dict, r: int, t: int) -> torch.Tensor:
+    return ref["x_grad"].chunk(t, -1)[r]
+
+
+def _g_forward(t: int) -> tuple[dict, dict]:
+    return {"all_reduce": all_reduce_of(B * CFG.seq_len * CFG.d_model, t)}, {}
+
+
+ROW = Layer(_out, _g_forward, prefix="out.", feed_dim=-1, in_features=CFG.d_ff, in_grad_of=_row_x_grad)
+
+
+# The MLP or the attention: f at the entry, g at the exit.
+def _block_part(part: str) -> torch.nn.Module:
+    return getattr(block(3), part)
+
+
+def _f_and_g(t: int) -> tuple[dict, dict]:
+    one = {"all_reduce": all_reduce_of(B * CFG.seq_len * CFG.d_model, t)}
+    return one, one
+
+
+MLP = Layer(partial(_block_part, "mlp"), _f_and_g)
+ATTENTION = Layer(partial(_block_part, "attn"), _f_and_g)
 
 
 # ---- Task 6: the whole model, trained ------------------------------------------------------------
 
-class TrainTask(Task):
-    name, answers, hang_hint = "train", ("tensor_parallel",), HANG_HINT
-    LAYERS = 2
-
-    def cases(self) -> list[Case]:
-        return [Case(n, (f"train, {n} ranks, losses and parameters", f"train, {n} ranks, traffic per step"))
-                for n in (2, 4)]
-
-    def _model(self, device: Any) -> torch.nn.Module:
-        return build_tp_model(CFG, seed=4, device=device, n_layers=self.LAYERS)
-
-    def _steps(self, model: torch.nn.Module, meter: bool) -> tuple[list[float], list]:
-        """`meter`: each step's forward and backward metered (every step: the parameters after all of them are
-        judged); the traffic of each, in order."""
-        from distlab.course.models import lm_loss, synthetic_batch
-        opt = make_optimizer(model.parameters())
-        losses, stats = [], []
-        for step in range(STEPS):
-            distlab.engine.runtime.progress(f"train: step {step}")
-            x, y = synthetic_batch(step, B, CFG, device=next(model.parameters()).device)
-            with track_comm() if meter else contextlib.nullcontext() as m:
-                loss = lm_loss(model, x, y)
-                loss.backward()
-            if m is not None:
-                stats.append(m.stats())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses, stats
-
-    def exercise(self, case: Case, tensor_parallel: Any) -> dict:
-        model = tensor_parallel(self._model(distlab.device()))
-        losses, stats = self._steps(model, True)
-        return {"losses": losses, "params": {k: p.detach() for k, p in model.named_parameters()}, "comm": stats}
-
-    def reference(self, case: Case) -> dict:
-        model = self._model("cpu")
-        losses, _ = self._steps(model, False)
-        return {"losses": losses, "params": {k: p.detach() for k, p in model.named_parameters()}}
-
-    def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
-        t = case.world_size
-
-        def values() -> str:
-            def check(r: int, out: dict) -> None:
-                same(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), "the losses", TRAIN_ATOL, TRAIN_RTOL)
-                names, want = set(out["params"]), set(ref["params"])
-                expect(names == want, f"parameters {sorted(names - want)[:4]} are not the model's "
-                                      f"(keep the names: blocks.0.attn.wq.weight, ...); missing {sorted(want - names)[:4]}")
-                for k in sorted(want):
-                    same(out["params"][k], shard_of(k, ref["params"][k], r, t), f"{k} after {STEPS} steps",
-                         TRAIN_ATOL, TRAIN_RTOL)
-            values_line(outputs, check)
-            return f"{STEPS} SGD steps match one process, each rank holding its 1/{t}"
-
-        def traffic() -> str:
-            from distlab.theory.tensor_parallel import tp_block_bytes
-            calls = 4 * self.LAYERS
-            total = round(self.LAYERS * tp_block_bytes(B * CFG.seq_len, CFG.d_model, t, bytes_per_element=E))
-            for r, out in enumerate(outputs):
-                expect(len(out["comm"]) == STEPS, f"rank {r}: {len(out['comm'])} metered steps, expected {STEPS}")
-                for step, stats in enumerate(out["comm"]):
-                    expect_traffic(f"rank {r}, " + (f"step {step}" if step else "one step"), stats,
-                                   {"all_reduce": (calls, total)})
-            return f"{calls} all-reduces of B x S x h per step: 2 forward + 2 backward per block"
-
-        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
+TRAIN_LAYERS = 2
 
 
+def _train_model(device: Any) -> torch.nn.Module:
+    return build_tp_model(CFG, seed=4, device=device, n_layers=TRAIN_LAYERS)
 
-TASKS: dict[str, Task] = {t.name: t for t in (
-    FG(),
-    ColumnTask("column", "ColumnParallelLinear", "no communication: the caller's f and g do it"),
-    RowTask("row", "RowParallelLinear", "one all-reduce forward (g), none backward"),
-    BlockPartTask("mlp", "TensorParallelMLP", "one all-reduce of B x S x h forward, one backward", "mlp"),
-    BlockPartTask("attention", "TensorParallelAttention", "one all-reduce of B x S x h forward, one backward",
-                  "attn"),
-    TrainTask(),
-    SPOpsTask(),
-    SPBlockTask(),
-    ZigzagTask(),
-    UlyssesTask(),
-)}
+
+def _train_steps(model: torch.nn.Module, meter: bool) -> tuple[list[float], list]:
+    """`meter`: each step's forward and backward metered (every step: the parameters after all of them are
+    judged); the traffic of each, in order."""
+    from distlab.course.models import lm_loss, synthetic_batch
+    opt = make_optimizer(model.parameters())
+    losses, stats = [], []
+    for step in range(STEPS):
+        distlab.engine.runtime.progress(f"train: step {step}")
+        x, y = synthetic_batch(step, B, CFG, device=next(model.parameters()).device)
+        with track_comm() if meter else contextlib.nullcontext() as m:
+            loss = lm_loss(model, x, y)
+            loss.backward()
+        if m is not None:
+            stats.append(m.stats())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, stats
+
+
+def train_exercise(case: Case, tensor_parallel: Any) -> dict:
+    model = tensor_parallel(_train_model(distlab.device()))
+    losses, stats = _train_steps(model, True)
+    return {"losses": losses, "params": {k: p.detach() for k, p in model.named_parameters()}, "comm": stats}
+
+
+def train_reference(case: Case) -> dict:
+    model = _train_model("cpu")
+    losses, _ = _train_steps(model, False)
+    return {"losses": losses, "params": {k: p.detach() for k, p in model.named_parameters()}}
+
+
+def train_judge(case: Case, outputs: list, ref: dict) -> list[Line]:
+    t = case.world_size
+
+    def values() -> str:
+        def check(r: int, out: dict) -> None:
+            same(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), "the losses", TRAIN_ATOL, TRAIN_RTOL)
+            names, want = set(out["params"]), set(ref["params"])
+            expect(names == want, f"parameters {sorted(names - want)[:4]} are not the model's "
+                                  f"(keep the names: blocks.0.attn.wq.weight, ...); missing {sorted(want - names)[:4]}")
+            for k in sorted(want):
+                same(out["params"][k], shard_of(k, ref["params"][k], r, t), f"{k} after {STEPS} steps",
+                     TRAIN_ATOL, TRAIN_RTOL)
+        values_line(outputs, check)
+        return f"{STEPS} SGD steps match one process, each rank holding its 1/{t}"
+
+    def traffic() -> str:
+        from distlab.theory.tensor_parallel import tp_block_bytes
+        calls = 4 * TRAIN_LAYERS
+        total = round(TRAIN_LAYERS * tp_block_bytes(B * CFG.seq_len, CFG.d_model, t, bytes_per_element=E))
+        for r, out in enumerate(outputs):
+            expect(len(out["comm"]) == STEPS, f"rank {r}: {len(out['comm'])} metered steps, expected {STEPS}")
+            for step, stats in enumerate(out["comm"]):
+                expect_traffic(f"rank {r}, " + (f"step {step}" if step else "one step"), stats,
+                               {"all_reduce": (calls, total)})
+        return f"{calls} all-reduces of B x S x h per step: 2 forward + 2 backward per block"
+
+    return [check_line(case.lines[0], values), check_line(case.lines[1], traffic)]
+
+
+TASKS = table(
+    task("f_g", ("CopyToTP", "ReduceFromTP"),
+         per_ranks((2, 4), "f_g, {n} ranks, values", "f_g, {n} ranks, traffic", args={"groups": 1})
+         + per_ranks((4,), "f_g, {n} ranks in 2 groups, values", "f_g, {n} ranks in 2 groups, traffic",
+                     args={"groups": 2}),
+         inputs=f_g_inputs, exercise=f_g_exercise, reference=f_g_reference, judge=f_g_judge, hang_hint=HANG_HINT),
+    layer_task("column", "ColumnParallelLinear", "no communication: the caller's f and g do it", COLUMN),
+    layer_task("row", "RowParallelLinear", "one all-reduce forward (g), none backward", ROW),
+    layer_task("mlp", "TensorParallelMLP", "one all-reduce of B x S x h forward, one backward", MLP),
+    layer_task("attention", "TensorParallelAttention", "one all-reduce of B x S x h forward, one backward", ATTENTION),
+    task("train", "tensor_parallel",
+         per_ranks((2, 4), "train, {n} ranks, losses and parameters", "train, {n} ranks, traffic per step"),
+         exercise=train_exercise, reference=train_reference, judge=train_judge, hang_hint=HANG_HINT),
+    task("sp_ops", ("GatherFromSP", "ReduceScatterToSP"),
+         per_ranks((2, 4), "sp_ops, {n} ranks, values", "sp_ops, {n} ranks, traffic"),
+         inputs=sp_ops_inputs, exercise=sp_ops_exercise, reference=sp_ops_reference, judge=sp_ops_judge,
+         hang_hint=HANG_HINT),
+    task("sp_block", "SequenceParallelBlock",
+         per_ranks((2, 4), "sp_block, {n} ranks, values", "sp_block, {n} ranks, training", "sp_block, {n} ranks, traffic"),
+         inputs=sp_block_inputs, exercise=sp_block_exercise, reference=sp_block_reference, judge=sp_block_judge,
+         hang_hint=HANG_HINT),
+    task("zigzag", "zigzag_ring_attention",
+         per_ranks((2, 4), "zigzag, {n} ranks, values", "zigzag, {n} ranks, traffic", "zigzag, {n} ranks, balance"),
+         inputs=zigzag_inputs, exercise=zigzag_exercise, reference=zigzag_reference, judge=zigzag_judge,
+         hang_hint=HANG_HINT),
+    task("ulysses", ("seq_to_heads", "heads_to_seq"),
+         per_ranks((2, 4), "ulysses, {n} ranks, layouts", "ulysses, {n} ranks, attention", "ulysses, {n} ranks, traffic"),
+         inputs=ulysses_inputs, exercise=ulysses_exercise, reference=ulysses_reference, judge=ulysses_judge,
+         hang_hint=HANG_HINT),
+)
 
 grade = grader(TASKS)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 import distlab
-from distlab.checks.ch07_common import E, HANG_HINT, expect_traffic, randn, same, values_line
-from distlab.checks.task import Case, Line, Task, check_line
+from distlab.checks.ch07_common import E, expect_traffic, randn, same, values_line
+from distlab.checks.task import Case, Line, check_line
 from distlab.checks.verdict import CheckFailed, expect
 from distlab.course.tensor_parallel.model import attention_core
 from distlab.meters import track_comm
@@ -75,118 +75,111 @@ def pair_flops(cp: int) -> int:
     return 4 * CP_B * CP_HEADS * c * c * CP_HD
 
 
-class ZigzagTask(Task):
-    name, answers, hang_hint = "zigzag", ("zigzag_ring_attention",), HANG_HINT
-
-    def cases(self) -> list[Case]:
-        return [Case(n, tuple(f"zigzag, {n} ranks, {k}" for k in ("values", "traffic", "balance"))) for n in (2, 4)]
-
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: Q, K and V drawn; each rank receives its own two blocks only."""
-        qkv, cp = _drawn(rng), case.world_size
-        return [{k: zigzag_blocks(z, r, cp).contiguous() for k, z in zip("qkv", qkv)} for r in range(cp)]
-
-    def exercise(self, case: Case, fn: Any, inputs: dict | None = None) -> dict:
-        from torch.utils.flop_counter import FlopCounterMode
-        r, cp, dev = distlab.rank(), distlab.world_size(), distlab.device()
-        mine = [z.contiguous().to(dev) for z in _given(inputs, r, cp, zigzag_blocks)]
-        distlab.engine.runtime.progress("zig-zag ring attention: one call")
-        with track_comm() as comm, FlopCounterMode(display=False) as flops:
-            out = fn(*mine)
-        return {"out": out.detach().cpu() if isinstance(out, torch.Tensor) else out, "comm": comm.stats(),
-                "flops": int(flops.get_total_flops())}
-
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        qkv = _qkv() if inputs is None else [unzigzag([mine[k] for mine in inputs]) for k in "qkv"]
-        whole = _attention(*qkv)
-        return {r: zigzag_blocks(whole, r, case.world_size) for r in range(case.world_size)}
-
-    def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
-        from distlab.theory.tensor_parallel import ring_attention_bytes
-        cp = case.world_size
-
-        def values() -> str:
-            def check(r: int, out: dict) -> None:
-                same(out["out"], ref[r], f"the output of blocks {r} and {2 * cp - 1 - r} (in that order)")
-            return values_line(outputs, check)
-
-        def traffic() -> str:
-            want = round(ring_attention_bytes(CP_B, CP_SEQ, CP_HEADS * CP_HD, cp, bytes_per_element=E))
-            for r, out in enumerate(outputs):
-                st = out["comm"]
-                other = sorted(set(st.calls) - {"send", "recv"})
-                expect(not other, f"rank {r} ran {other}: a ring needs only sends and receives to its neighbours")
-                sent = st.bytes.get("send", 0)
-                expect(sent == want, f"rank {r} sent {sent} B; K and V of its two blocks, passed on cp-1 = {cp - 1} "
-                                     f"times, are {want} B (2(cp-1)/cp x B S h e)")
-            return "K and V passed cp-1 times around the ring, 2(cp-1)/cp x B S h e per rank"
-
-        def balance() -> str:
-            per = [out["flops"] for out in outputs]
-            most = (2 * cp + 1) * pair_flops(cp)
-            if len(set(per)) > 1:
-                raise CheckFailed(f"attention FLOPs per rank {per}: unbalanced (each rank should compute 2cp+1 = "
-                                  f"{2 * cp + 1} block pairs: skip every pair whose keys all lie in its queries' future)")
-            expect(per[0] <= most, f"each rank computed {per[0]:,} FLOPs, {per[0] / pair_flops(cp):.0f} block pairs; "
-                                   f"2cp+1 = {2 * cp + 1} suffice (a pair whose keys all lie in the future is skipped)")
-            expect(per[0] >= most, f"each rank computed {per[0]:,} FLOPs, fewer than the 2cp+1 = {2 * cp + 1} block "
-                                   "pairs causal attention needs")
-            return f"every rank computed 2cp+1 = {2 * cp + 1} block pairs ({per[0]:,} FLOPs)"
-
-        return [check_line(case.lines[0], values), check_line(case.lines[1], traffic), check_line(case.lines[2], balance)]
+def zigzag_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: Q, K and V drawn; each rank receives its own two blocks only."""
+    qkv, cp = _drawn(rng), case.world_size
+    return [{k: zigzag_blocks(z, r, cp).contiguous() for k, z in zip("qkv", qkv)} for r in range(cp)]
 
 
-class UlyssesTask(Task):
-    name, answers, hang_hint = "ulysses", ("seq_to_heads", "heads_to_seq"), HANG_HINT
+def zigzag_exercise(case: Case, fn: Any, inputs: dict | None = None) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+    r, cp, dev = distlab.rank(), distlab.world_size(), distlab.device()
+    mine = [z.contiguous().to(dev) for z in _given(inputs, r, cp, zigzag_blocks)]
+    distlab.engine.runtime.progress("zig-zag ring attention: one call")
+    with track_comm() as comm, FlopCounterMode(display=False) as flops:
+        out = fn(*mine)
+    return {"out": out.detach().cpu() if isinstance(out, torch.Tensor) else out, "comm": comm.stats(),
+            "flops": int(flops.get_total_flops())}
 
-    def cases(self) -> list[Case]:
-        return [Case(n, (f"ulysses, {n} ranks, layouts", f"ulysses, {n} ranks, attention",
-                         f"ulysses, {n} ranks, traffic")) for n in (2, 4)]
 
-    def inputs(self, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
-        """Under grading: Q, K and V drawn; each rank receives its own slice of the sequence only."""
-        qkv, cp = _drawn(rng), case.world_size
-        return [{k: _ulysses_part(z, r, cp) for k, z in zip("qkv", qkv)} for r in range(cp)]
+def zigzag_reference(case: Case, inputs: list | None = None) -> dict:
+    qkv = _qkv() if inputs is None else [unzigzag([mine[k] for mine in inputs]) for k in "qkv"]
+    whole = _attention(*qkv)
+    return {r: zigzag_blocks(whole, r, case.world_size) for r in range(case.world_size)}
 
-    def exercise(self, case: Case, seq_to_heads: Any, heads_to_seq: Any, inputs: dict | None = None) -> dict:
-        r, cp, dev = distlab.rank(), distlab.world_size(), distlab.device()
-        mine = [z.to(dev) for z in _given(inputs, r, cp, _ulysses_part)]
-        distlab.engine.runtime.progress("Ulysses: sequence -> heads, attention, heads -> sequence")
-        with track_comm() as comm:
-            heads = [seq_to_heads(z) for z in mine]
-            y = _attention(*heads) if all(isinstance(h, torch.Tensor) for h in heads) else None
-            back = heads_to_seq(y) if y is not None else None
-        cpu = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else None  # noqa: E731
-        return {"heads": [cpu(h) for h in heads], "out": cpu(back), "comm": comm.stats()}
 
-    def reference(self, case: Case, inputs: list | None = None) -> dict:
-        cp = case.world_size
-        qkv = _qkv() if inputs is None else [torch.cat([mine[k] for mine in inputs], dim=-2) for k in "qkv"]
-        whole = _attention(*qkv)
-        return {r: {"heads": [z.chunk(cp, dim=1)[r] for z in qkv], "out": whole.chunk(cp, dim=-2)[r]}
-                for r in range(cp)}
+def zigzag_judge(case: Case, outputs: list, ref: dict) -> list[Line]:
+    from distlab.theory.tensor_parallel import ring_attention_bytes
+    cp = case.world_size
 
-    def judge(self, case: Case, outputs: list, ref: dict) -> list[Line]:
-        from distlab.theory.tensor_parallel import ulysses_bytes
-        cp = case.world_size
+    def values() -> str:
+        def check(r: int, out: dict) -> None:
+            same(out["out"], ref[r], f"the output of blocks {r} and {2 * cp - 1 - r} (in that order)")
+        return values_line(outputs, check)
 
-        def layouts() -> str:
-            def check(r: int, out: dict) -> None:
-                for name, got, want in zip("QKV", out["heads"], ref[r]["heads"]):
-                    same(got, want, f"seq_to_heads({name}): heads {r * CP_HEADS // cp}..{(r + 1) * CP_HEADS // cp - 1} "
-                                    f"over the whole sequence, shape (B, a/cp, S, hd) = {tuple(want.shape)}")
-            return values_line(outputs, check)
+    def traffic() -> str:
+        want = round(ring_attention_bytes(CP_B, CP_SEQ, CP_HEADS * CP_HD, cp, bytes_per_element=E))
+        for r, out in enumerate(outputs):
+            st = out["comm"]
+            other = sorted(set(st.calls) - {"send", "recv"})
+            expect(not other, f"rank {r} ran {other}: a ring needs only sends and receives to its neighbours")
+            sent = st.bytes.get("send", 0)
+            expect(sent == want, f"rank {r} sent {sent} B; K and V of its two blocks, passed on cp-1 = {cp - 1} "
+                                 f"times, are {want} B (2(cp-1)/cp x B S h e)")
+        return "K and V passed cp-1 times around the ring, 2(cp-1)/cp x B S h e per rank"
 
-        def attention() -> str:
-            return values_line(outputs, lambda r, out: same(
-                out["out"], ref[r]["out"], "heads_to_seq(attention): my S/cp tokens, every head"))
+    def balance() -> str:
+        per = [out["flops"] for out in outputs]
+        most = (2 * cp + 1) * pair_flops(cp)
+        if len(set(per)) > 1:
+            raise CheckFailed(f"attention FLOPs per rank {per}: unbalanced (each rank should compute 2cp+1 = "
+                              f"{2 * cp + 1} block pairs: skip every pair whose keys all lie in its queries' future)")
+        expect(per[0] <= most, f"each rank computed {per[0]:,} FLOPs, {per[0] / pair_flops(cp):.0f} block pairs; "
+                               f"2cp+1 = {2 * cp + 1} suffice (a pair whose keys all lie in the future is skipped)")
+        expect(per[0] >= most, f"each rank computed {per[0]:,} FLOPs, fewer than the 2cp+1 = {2 * cp + 1} block "
+                               "pairs causal attention needs")
+        return f"every rank computed 2cp+1 = {2 * cp + 1} block pairs ({per[0]:,} FLOPs)"
 
-        def traffic() -> str:
-            size = CP_B * CP_HEADS * CP_SEQ // cp * CP_HD            # one rank's block of Q (or K, V, output)
-            one = (1, round((cp - 1) / cp * size * E))
-            for r, out in enumerate(outputs):
-                expect_traffic(f"rank {r}, Q, K, V there and the output back", out["comm"], {"all_to_all": (4 * one[0], 4 * one[1])})
-            total = round(ulysses_bytes(CP_B, CP_SEQ, CP_HEADS * CP_HD, cp, bytes_per_element=E))
-            return f"4 all-to-alls, 4(cp-1)/cp^2 x B S h e = {total} B per rank"
+    return [check_line(case.lines[0], values), check_line(case.lines[1], traffic), check_line(case.lines[2], balance)]
 
-        return [check_line(case.lines[0], layouts), check_line(case.lines[1], attention), check_line(case.lines[2], traffic)]
+
+def ulysses_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Under grading: Q, K and V drawn; each rank receives its own slice of the sequence only."""
+    qkv, cp = _drawn(rng), case.world_size
+    return [{k: _ulysses_part(z, r, cp) for k, z in zip("qkv", qkv)} for r in range(cp)]
+
+
+def ulysses_exercise(case: Case, seq_to_heads: Any, heads_to_seq: Any, inputs: dict | None = None) -> dict:
+    r, cp, dev = distlab.rank(), distlab.world_size(), distlab.device()
+    mine = [z.to(dev) for z in _given(inputs, r, cp, _ulysses_part)]
+    distlab.engine.runtime.progress("Ulysses: sequence -> heads, attention, heads -> sequence")
+    with track_comm() as comm:
+        heads = [seq_to_heads(z) for z in mine]
+        y = _attention(*heads) if all(isinstance(h, torch.Tensor) for h in heads) else None
+        back = heads_to_seq(y) if y is not None else None
+    cpu = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else None  # noqa: E731
+    return {"heads": [cpu(h) for h in heads], "out": cpu(back), "comm": comm.stats()}
+
+
+def ulysses_reference(case: Case, inputs: list | None = None) -> dict:
+    cp = case.world_size
+    qkv = _qkv() if inputs is None else [torch.cat([mine[k] for mine in inputs], dim=-2) for k in "qkv"]
+    whole = _attention(*qkv)
+    return {r: {"heads": [z.chunk(cp, dim=1)[r] for z in qkv], "out": whole.chunk(cp, dim=-2)[r]}
+            for r in range(cp)}
+
+
+def ulysses_judge(case: Case, outputs: list, ref: dict) -> list[Line]:
+    from distlab.theory.tensor_parallel import ulysses_bytes
+    cp = case.world_size
+
+    def layouts() -> str:
+        def check(r: int, out: dict) -> None:
+            for name, got, want in zip("QKV", out["heads"], ref[r]["heads"]):
+                same(got, want, f"seq_to_heads({name}): heads {r * CP_HEADS // cp}..{(r + 1) * CP_HEADS // cp - 1} "
+                                f"over the whole sequence, shape (B, a/cp, S, hd) = {tuple(want.shape)}")
+        return values_line(outputs, check)
+
+    def attention() -> str:
+        return values_line(outputs, lambda r, out: same(
+            out["out"], ref[r]["out"], "heads_to_seq(attention): my S/cp tokens, every head"))
+
+    def traffic() -> str:
+        size = CP_B * CP_HEADS * CP_SEQ // cp * CP_HD            # one rank's block of Q (or K, V, output)
+        one = (1, round((cp - 1) / cp * size * E))
+        for r, out in enumerate(outputs):
+            expect_traffic(f"rank {r}, Q, K, V there and the output back", out["comm"], {"all_to_all": (4 * one[0], 4 * one[1])})
+        total = round(ulysses_bytes(CP_B, CP_SEQ, CP_HEADS * CP_HD, cp, bytes_per_element=E))
+        return f"4 all-to-alls, 4(cp-1)/cp^2 x B S h e = {total} B per rank"
+
+    return [check_line(case.lines[0], layouts), check_line(case.lines[1], attention), check_line(case.lines[2], traffic)]
