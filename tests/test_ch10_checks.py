@@ -8,13 +8,13 @@ learner's cells).
 """
 from __future__ import annotations
 
-import copy
 import types
 
 import torch
 
 from distlab.checks import ch10
 from distlab.checks.task import Case, run_task
+from labkit import with_cases
 
 LAB = "10_moe"
 
@@ -75,8 +75,7 @@ def test_the_uneven_all_to_all_passes_on_the_strict_backend():
     ns = _answers()
     for name in ("dispatch_combine", "ep_layer"):
         task = ch10.TASKS[name]
-        one = copy.copy(task)
-        one.cases = lambda t=task: t.cases()[:1] if t.name == "ep_layer" else t.cases()
+        one = with_cases(task, task.cases()[:1] if name == "ep_layer" else task.cases())
         lines = run_task(one, _args(task, ns), run=_strict)
         assert lines and all(line.ok for line in lines), [str(line) for line in lines if not line.ok]
 
@@ -129,8 +128,7 @@ def dispatch(x, counts, group=None):
 
 def _first(task_name, **replace):
     task = ch10.TASKS[task_name]
-    one = copy.copy(task)
-    one.cases = lambda: task.cases()[:1]
+    one = with_cases(task, task.cases()[:1])
     return [str(line) for line in run_task(one, _args(task, _answers(replace=replace)))]
 
 

@@ -48,7 +48,8 @@ from distlab.checks.ch03_common import (BATCH, HANG_HINT, INNER_SGD, LAYOUT_DTYP
                                         _full_gradient, _k, _named, _pattern, _psi, _traffic, _where)
 from distlab.checks.ch03_step import STEP_LINES, step_exercise, step_inputs, step_judge, step_reference
 from distlab.checks.ch03_scaler import HANG_HINT as SCALER_HANG_HINT
-from distlab.checks.ch03_scaler import loss_scaler_exercise, loss_scaler_inputs, loss_scaler_judge, loss_scaler_reference
+from distlab.checks.ch03_scaler import (loss_scaler_exercise, loss_scaler_inputs, loss_scaler_judge,
+                                        loss_scaler_reference)
 
 
 # What the lab's answer cells may use: the lab's setup cell holds these lines verbatim.
