@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch.distributed as dist
 import torch
 
 from distlab.checks.ch05 import TASKS
@@ -180,3 +181,117 @@ def _start_gather(self, unit):
 def test_fp32_gathers_fail_the_bf16_wire_line(no_orphans):
     out = _lines(run(LAB, "bf16", answers(LAB, replace={"_start_gather": FP32_WIRE})))
     assert out[0].startswith("FAIL bf16, 2 ranks: bf16 on the wire, 3Ψ·2·(N-1)/N: rank 0: "), out
+
+
+# ---- the class as an ordinary module: parameters, replicate=, state_dict ---------------------------
+
+STEPS, BATCH, LR = 3, 8, 1e-2
+
+
+def _sgd(params, lr=LR):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def _as_module(ZeRO3, ckpt):
+    """On every rank: the solution's ZeRO3 trained by plain torch optimizers over `parameters()`."""
+    import distlab
+    from distlab.course.models import PRESETS, lm_loss, split_batch, synthetic_batch
+    from distlab.meters import track_comm
+    n, r, cfg = distlab.world_size(), distlab.rank(), PRESETS["tiny"]
+    batches = [split_batch(synthetic_batch(s, BATCH, cfg), r, n) for s in range(STEPS)]
+
+    def step(zero, opt, s):
+        lm_loss(zero, *batches[s]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    out = {}
+    zero = ZeRO3(build_model("tiny"))                                   # everything sharded
+    opt = torch.optim.AdamW(zero.parameters(), lr=LR)
+    out["names"] = [name for name, _ in zero.named_parameters()]
+    lm_loss(zero, *batches[0]).backward()
+    out["grads"] = [(p.grad is not None and p.grad.shape == p.shape) for p in zero.parameters()]
+    opt.step()
+    opt.zero_grad()
+    for s in range(1, STEPS):
+        step(zero, opt, s)
+    out["adamw"] = zero.gather_full_params()
+
+    for key, rule in (("ndim1", lambda name, p: p.ndim == 1), ("listed", ["tok", "pos", "blocks.0.ln1"])):
+        zero = ZeRO3(build_model("tiny"), replicate=rule)
+        opt = _sgd(zero.parameters())
+        out[key, "names"] = [name for name, _ in zero.named_parameters()]
+        out[key, "units"] = len(zero.units)
+        for s in range(STEPS):
+            with track_comm() as comm:
+                lm_loss(zero, *batches[s]).backward()
+            opt.step()
+            opt.zero_grad()
+            if s == STEPS - 2 and key == "ndim1":       # a checkpoint one step before the end
+                torch.save({"model": zero.state_dict(), "opt": opt.state_dict()}, f"{ckpt}/rank{r}.pt")
+        out[key, "calls"] = dict(comm.stats().calls)
+        out[key] = zero.gather_full_params()
+
+    dist.barrier()
+    resumed = ZeRO3(build_model("tiny", seed=7), replicate=lambda name, p: p.ndim == 1)
+    opt = _sgd(resumed.parameters())
+    mine, other = (torch.load(f"{ckpt}/rank{k}.pt") for k in (r, 1 - r))
+    before = [p.detach().clone() for p in resumed.parameters()]
+    errors = []
+    for bad in (other["model"], {**mine["model"], "_extra_state": {**mine["model"]["_extra_state"], "world_size": 4}}):
+        try:
+            resumed.load_state_dict(bad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, resumed.parameters()))
+    out["errors"] = errors
+    resumed.load_state_dict(mine["model"])
+    opt.load_state_dict(mine["opt"])
+    step(resumed, opt, STEPS - 1)
+    out["resumed"] = resumed.gather_full_params()
+    out["saved_keys"] = sorted(mine["model"])
+    return out
+
+
+def test_zero3_trains_with_plain_torch_optimizers_replicates_and_resumes(tmp_path, no_orphans):
+    import distlab
+    from distlab.course.models import train_reference
+    ZeRO3 = answers(LAB).ZeRO3
+    outs = distlab.launch(_as_module, 2, args=(ZeRO3, str(tmp_path)))
+    adamw = train_reference("tiny", steps=STEPS, batch_size=BATCH, lr=LR).params
+    sgd = train_reference("tiny", steps=STEPS, batch_size=BATCH, lr=LR, optimizer=_sgd).params
+    units = len(block_units(build_model("tiny", device="cpu")))
+    for r, out in enumerate(outs):
+        # parameters() is this rank's flat shards, one per unit, each with its reduced gradient shard
+        assert out["names"] == [f"flat_shards.unit{i}" for i in range(units)], out["names"]
+        assert all(out["grads"])
+        # SGD: rounding (measured 1.5e-8). AdamW divides by sqrt(v): where a gradient is rounding noise (the
+        # attention key bias's is 0 in exact arithmetic, ~1e-10 here) each process steps ±lr in its own
+        # direction; measured 4e-4 there, 3e-5 elsewhere.
+        for key, ref, tol in (("adamw", adamw, 1e-3), ("ndim1", sgd, 1e-6), ("listed", sgd, 1e-6)):
+            assert set(out[key]) == set(ref)
+            worst = max((out[key][k] - ref[k]).abs().max().item() for k in ref)
+            assert worst < tol, (r, key, worst)
+        # replicated: LayerNorms (ndim 1) under their names, after the shards; every unit still sharded
+        rep = [k for k in out["ndim1", "names"] if not k.startswith("flat_shards.")]
+        assert rep and all(k.startswith("module.") and ("ln" in k or "bias" in k) for k in rep), rep
+        assert out["ndim1", "units"] == units
+        assert out["ndim1", "calls"]["all_reduce"] == len(rep)       # one all-reduce per replicated gradient
+        # by names: the embedding unit (tok + pos) is left with nothing to shard and is dropped
+        assert out["listed", "units"] == units - 1
+        assert [k for k in out["listed", "names"] if k.startswith("module.")] == [
+            "module.tok.weight", "module.pos.weight", "module.blocks.0.ln1.weight", "module.blocks.0.ln1.bias"]
+        # a rank saves its shards, the replicated parameters and the layout; resuming equals not stopping
+        assert "_extra_state" in out["saved_keys"] and "flat_shards.unit0" in out["saved_keys"]
+        assert all(torch.equal(out["resumed"][k], out["ndim1"][k]) for k in sgd), r
+        wrong_rank, wrong_n = out["errors"]
+        assert f"load the file rank {r} saved" in wrong_rank, wrong_rank
+        assert "of 4, but this ZeRO3 runs on 2 ranks" in wrong_n and "load_shard" in wrong_n, wrong_n
+        assert out["untouched"]                                      # refused before copying anything
+    assert all(torch.equal(outs[0]["ndim1"][k], outs[1]["ndim1"][k]) for k in sgd)   # the ranks agree
+
+
+def test_replicate_names_that_match_nothing_are_refused():
+    with pytest.raises(ValueError, match=r"replicate names \['ln_x'\], which match no parameter of GPT"):
+        from distlab.course.zero.units import _replicate_rule
+        _replicate_rule(build_model("tiny", device="cpu"), ["ln_x"])
