@@ -6,9 +6,11 @@ Chapter NN's checks are chNN; what they build on is the chapter's topic in `dist
     grade("reduce_scatter", ring_reduce_scatter)
     PASS reduce_scatter, 2 ranks, values: matches torch.distributed in 24 cases
 
-Each lab module defines `TASKS` (name -> `Task`), `PRELUDE` (the imports the
-lab's answer cells may rely on, which its setup cell holds verbatim) and
-`grade`; optionally `RANK_IMPORTS`, what its ranks import, which `distlab grade`
+Each lab module defines `TASKS` (name -> `Task`: its table, `table(task(name,
+answers, per_ranks(sizes, *verdict lines), exercise=..., judge=...), ...)`,
+the lab's spec read top to bottom; `help(grade)` prints it), `PRELUDE` (the
+imports the lab's answer cells may rely on, which its setup cell holds
+verbatim) and `grade`; optionally `RANK_IMPORTS`, what its ranks import, which `distlab grade`
 preloads instead of `distlab.launch`'s list (lab 1: no torch._dynamo, no FSDP). The verdicts are computed where they are printed, from the ranks'
 raw outputs (see `distlab.checks.task`), so `distlab grade` reuses them.
 """

@@ -257,7 +257,8 @@ def _matches(outputs: list, want: dict, variant: str) -> str:
     return "matches one process on the full batch"
 
 
-# ---- bucket_layout: `BucketedDDP.__init__` only: buckets in backward order, closed at the size limit, views in place.
+# ---- bucket_layout ------------------------------------------------------------------------------
+# `BucketedDDP.__init__` only: buckets in backward order, closed at the size limit, views in place.
 
 
 def bucket_layout_inputs(case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]]:

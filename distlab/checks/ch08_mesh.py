@@ -23,12 +23,13 @@ MESH_HINT = ("In the mesh, a stage's pipeline neighbours are the ranks before an
              "rank r + 1 is your tp partner. Every recv needs a send of the same shape on that neighbour.")
 
 
-# ---- step_3d: `step_3d(stage, groups, x, y, m, micro_batch)` on 8 ranks, a (pp, dp, tp) = 2 x 2 x 2 mesh in the
+# ---- step_3d ----------------------------------------------------------------------------------------
+# `step_3d(stage, groups, x, y, m, micro_batch)` on 8 ranks, a (pp, dp, tp) = 2 x 2 x 2 mesh in the
 # course's order (`distlab.course.pipeline.mesh3d.MESH_ORDER`). Each rank gets its stage of the 2-block
 # "tiny" model (fp32) with its blocks cut over its tp group (`tp_stage`: Megatron's f and g inside),
 # its groups, and its dp replica's m micro-batches (tokens on the first stage, targets on the last).
 # The learner runs the pipeline between the stage's pp neighbours and averages the gradients over dp.
-# 
+#
 # Lines: values (the last stage's loss, the replica's mean, and every rank's gradient, its tp slice,
 # equal one process's on the whole global batch); pp (send/recv only between pipeline neighbours: one
 # activation per micro-batch and link, exactly its bytes); dp (the gradients' average: 2(dp - 1)/dp of

@@ -47,7 +47,7 @@ def _plain_offload_reference(inputs: dict | None = None) -> dict:
     return {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-# ---- offload: `kind`: 'state' (construction), 'grads' (the backward), 'step' (three full steps).
+# `kind`: 'state' (construction), 'grads' (the backward), 'step' (three full steps).
 
 def offload_inputs(kind: str, case: Case, rng: torch.Generator) -> list[dict[str, torch.Tensor]] | None:
     """Under grading, for the tasks that train: drawn starting weights and each step's batch."""
