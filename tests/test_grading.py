@@ -20,7 +20,7 @@ import torch
 from distlab.grading import channel, evidence, resultcheck, sandbox, seccomp, submission, wire
 from distlab.grading.grade import Result, Verdict, summarize
 from distlab.grading.lab import grade_calls, load_lab
-from distlab.grading.pgmeter import OP_KINDS, booking
+from distlab.grading.pgmeter import OP_KINDS, algorithmic_bytes_booker
 from distlab.grading.rankside import REGION_KEY
 from distlab.grading.safeload import MAX_OPS as UNSAFE_OPS, UnsafeResult, plain_loads
 from distlab.meters.comm import CommStats
@@ -218,12 +218,53 @@ def test_the_seccomp_filter_stops_sockets_processes_signals_and_io_uring_but_not
                                 "io_uring": no, "sigio_owner": no, "fcntl": "ok"}
 
 
+DUMPABLE_SCRIPT = r"""
+import ctypes, os
+from distlab.grading import seccomp
+if os.getuid() == 0:          # an unprivileged uid, as graded ranks run (root may read any process's /proc)
+    os.setgid(65534)
+    os.setuid(65534)
+libc = ctypes.CDLL(None, use_errno=True)
+r, w = os.pipe()              # stands for a rank's pipe to its broker
+def sibling_opens_it():       # a process of the same uid opens the pipe through /proc/<pid>/fd, for writing
+    me, (rr, ww) = os.getpid(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(os.open(f"/proc/{me}/fd/{w}", os.O_WRONLY))
+            os.write(ww, b"opened")
+        except OSError as exc:
+            os.write(ww, exc.strerror.encode())
+        os._exit(0)
+    os.close(ww)
+    os.waitpid(pid, 0)
+    return os.read(rr, 200).decode()
+libc.prctl(4, 1, 0, 0, 0)     # dumpable, as a process that never changed uid is
+before = sibling_opens_it()
+seccomp.no_dump()
+after = sibling_opens_it()
+assert seccomp.confine()
+again = "ok" if libc.prctl(4, 1, 0, 0, 0) == 0 else os.strerror(ctypes.get_errno())
+print({"before": before, "after": after, "set_dumpable_again": again, "dumpable": libc.prctl(3, 0, 0, 0, 0)})
+"""
+
+
+@pytest.mark.skipif(not seccomp.available(), reason="seccomp filters need Linux on x86-64 or aarch64")
+def test_a_graded_rank_s_pipes_are_closed_to_its_siblings_through_proc():
+    """Ranks run as one uid: a dumpable rank's pipe to its broker opens from a sibling through /proc/<pid>/fd.
+    `no_dump` (a rank's first act) closes that, and the rank's seccomp filter keeps it closed."""
+    run = subprocess.run([sys.executable, "-c", DUMPABLE_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert eval(run.stdout) == {"before": "opened", "after": "Permission denied",  # noqa: S307
+                                "set_dumpable_again": "Operation not permitted", "dumpable": 0}
+
+
 # ---------------------------------------------------------------- what the metered group books
 
-def test_booking_is_the_comm_meters_algorithmic_bytes():
+def test_the_booker_books_the_comm_meters_algorithmic_bytes():
     from distlab.theory import collective_bytes_sent
     from torch._C import TensorBase
-    book = booking(TensorBase.numel, TensorBase.element_size, TensorBase.dim, TensorBase.size)
+    book = algorithmic_bytes_booker(TensorBase.numel, TensorBase.element_size, TensorBase.dim, TensorBase.size)
     t = torch.ones(1000)                      # 4000 bytes
     n, me = 4, 1
 
@@ -648,12 +689,16 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 calls = []
 
-class FakeNCCL:
+class Options(dist.ProcessGroupGloo._Options):
+    # a real Backend's options (ProcessGroupNCCL.Options is one too): the hook sets its _timeout
+    def __init__(self):
+        super().__init__()
+        self._devices = [dist.ProcessGroupGloo.create_default_device()]
+
+class Recording:
     # ProcessGroupNCCL as torch binds it: a Backend, built with Options; its coalescing takes no device
-    class Options:
-        _timeout = None
-    def __init__(self, store, rank, size, options=None):
-        calls.append(("created", getattr(options, "_timeout", None)))
+    def __init__(self, store, rank, size, options):
+        calls.append(("created", options._timeout))
     def _start_coalescing(self):
         calls.append(("start",))
     def _end_coalescing(self):
@@ -663,7 +708,19 @@ class FakeNCCL:
         calls.append(("send", dst))
         return "a send"
 
-dist.ProcessGroupNCCL = FakeNCCL
+class RealBinding(dist.ProcessGroupGloo):
+    # the C++ bindings ProcessGroupNCCL shares (Backend._start_coalescing(self), no device), on one gloo rank
+    def __init__(self, store, rank, size, options):
+        super().__init__(store, rank, size, options)
+        calls.append(("real", self.options._timeout))
+
+class StandIn:
+    # dist.ProcessGroupNCCL for the hook: the recording fake without a store, the real binding with one
+    Options = Options
+    def __new__(cls, store, rank, size, options):
+        return (Recording if store is None else RealBinding)(store, rank, size, options)
+
+dist.ProcessGroupNCCL = StandIn
 from distlab.grading import audithook, pgmeter
 path = os.path.join(tempfile.mkdtemp(), "events")
 os.mkfifo(path)
@@ -677,26 +734,66 @@ device = torch.device("cpu")
 group._start_coalescing(device)
 group.send([torch.zeros(2)], 1, 0)
 print("CALLS", calls, group._end_coalescing(device))
+real = pgmeter.create(types.SimpleNamespace(group_rank=0, group_size=1, store=dist.HashStore(),
+                                            timeout=timedelta(seconds=5), global_ranks_in_group=[0]),
+                      backend_name="metered_nccl")
+try:
+    real._start_coalescing(device)
+except Exception as exc:
+    print("REAL", calls[-1], type(exc).__name__, str(exc).splitlines()[0])
 """
 
 
 def test_the_metered_nccl_group_coalesces_on_a_backend_and_times_out_with_the_launcher_s_nccl_timeout(tmp_path):
-    """With a fake NCCL (torch's binding: a Backend, whose _start_coalescing takes no device): a graded ring's
-    batch_isend_irecv reaches it without a TypeError, and the graded group's timeout is the stall window
-    (a hung graded submission on GPUs is reported by NCCL's watchdog, not left spinning to the cap)."""
+    """ProcessGroupNCCL is a Backend (torch 2.13's bindings: Backend._start_coalescing takes no device, as shown on
+    gloo's, which shares the binding; ProcessGroup's takes one). With a fake NCCL: a graded ring's batch_isend_irecv
+    reaches it without a TypeError, and the graded group's timeout is the stall window (a hung graded submission on
+    GPUs is reported by NCCL's watchdog, not left spinning to the cap). With the real Backend binding in its place
+    (on one gloo rank), the hook's call reaches C++ (gloo does not coalesce: its own RuntimeError, no TypeError)."""
     from datetime import timedelta
 
     from distlab.engine.runtime import group_timeout_s
+    c10d = torch._C._distributed_c10d
+    assert c10d.Backend._start_coalescing.__doc__.startswith("_start_coalescing(self: torch._C._distributed_c10d.Backend) -> None")
+    assert "device_type: torch.device" in c10d.ProcessGroup._start_coalescing.__doc__
     run = subprocess.run([sys.executable, "-c", FAKE_NCCL_SCRIPT], capture_output=True, text=True, timeout=120)
-    line = next((l for l in run.stdout.splitlines() if l.startswith("CALLS ")), None)
-    assert line is not None, run.stdout[-2000:] + run.stderr[-2000:]
-    assert line == "CALLS " + repr([("created", timedelta(seconds=5)), ("start",), ("send", 1), ("end",)]) \
-        + " one work", line
-    # rankside gives the graded NCCL group the launcher's NCCL timeout (the stall window, with its floor), gloo the
-    # case's cap
+    lines = {l.split(" ", 1)[0]: l for l in run.stdout.splitlines()}
+    assert "CALLS" in lines and "REAL" in lines, run.stdout[-2000:] + run.stderr[-2000:]
+    assert lines["CALLS"] == "CALLS " + repr([("created", timedelta(seconds=5)), ("start",), ("send", 1), ("end",)]) \
+        + " one work", lines["CALLS"]
+    assert lines["REAL"] == "REAL " + repr(("real", timedelta(seconds=5))) + \
+        " RuntimeError Backend gloo does not implement startCoalescing", lines["REAL"]
     from distlab.engine.watchdog import nccl_timeout_s
     assert group_timeout_s("nccl", 180, 5) == nccl_timeout_s(5) < 180 and group_timeout_s("gloo", 180, 5) == 180
-    assert "group_timeout_s(kind, timeout_s, stall_s)" in (ROOT / "distlab/grading/rankside.py").read_text()
+
+
+@pytest.mark.parametrize("launched", ["nccl", "gloo"])
+def test_the_graded_group_is_re_created_with_the_launcher_s_timeout(monkeypatch, launched):
+    """A rank launched on NCCL re-creates its default group as `metered_nccl` with the launcher's NCCL timeout (the
+    stall window, with its floor: NCCL's watchdog reports a hung graded submission), on gloo as `metered_gloo`
+    with the case's cap (gloo blocks with the CPU idle, and the launcher sees that)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distlab.engine.watchdog import nccl_timeout_s
+    from distlab.grading import rankside
+    got, registered = {}, {}
+    monkeypatch.setattr(dist, "get_backend", lambda *a: launched)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: dist.HashStore())
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: None)
+    monkeypatch.setattr(dist.Backend, "register_backend", lambda name, fn, **kw: registered.update({name: kw}))
+    monkeypatch.setattr(dist, "init_process_group", lambda name, **kw: got.update(name=name, timeout=kw["timeout"]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    rankside._metered_group(180, 5)
+    if launched == "nccl":
+        assert got == {"name": "metered_nccl", "timeout": timedelta(seconds=nccl_timeout_s(5))}
+        assert registered.get("metered_nccl", {}).get("devices") == ["cuda", "cpu"], registered
+    else:
+        assert got == {"name": "metered_gloo", "timeout": timedelta(seconds=180)}
 
 
 def test_the_metered_group_takes_what_torch_passes_by_keyword(monkeypatch):

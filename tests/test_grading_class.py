@@ -2,25 +2,25 @@
 kernel's walls and the results that could stop the grader (issue 28), broken files, and every lab (its
 solution: full marks; its unfilled lab: zero).
 
-Everything is graded once per test session (`graded`), two runs at a time so both cores stay busy:
+Everything is graded once per test session (`graded`), in five runs, two at a time (longest first) so both
+cores stay busy:
 
-- the chapter-1 class on its reduce-scatter task (3 cases: 2, 3 and 4 ranks, 6 points), two submissions
-  at a time, reports written, as an instructor would;
-- the attacks (one per route) and the broken files on its 2-rank case, as a second class run;
-- issue 28's attacks (kernel limits, DoS results) and the honest solution on the same case, a third class run;
-  in these two, what stops, kills or floods a runner is graded in a runner of its own; the attacks of both
-  judged case by case share one runner and sandbox (`grade_together`; a runner start is ~2 CPU s of
-  imports), the honest solution graded last in it;
+- the chapter-1 class on its reduce-scatter task (2 cases: 2 and 3 ranks, 4 points), two submissions at a
+  time, reports written, as an instructor would;
+- what stops or floods a runner (issue 28's result overflow, route 7's log flood) with the broken files, as a
+  second class run, each in a runner of its own, reports written;
+- every other attack (issue 11's routes, issue 28's kernel and DoS attacks, issue 38's reach into the rank's
+  own process and its siblings') judged case by case in ONE runner and sandbox (`grade_together`; a runner
+  start is ~2 CPU s of imports), the honest solution graded last in it, on the 2-rank case;
 - each lab's solution on every task's first case (later cases only change the world size: the class run
   covers what several cases add, such as a hang or a stub skipping a task's later cases), for the labs
   whose `test_solutions_get_full_marks` is selected (`-k "not 08_pipeline"` grades no lab 8), as one
-  learner's hand-ins of the whole course (`grade_together`: one runner, one sandbox, lab after lab: one
-  interpreter start for all of them; each lab's cases, inputs, audit and verdicts are still its own);
-- after the solutions, in the same runner (one runner start for all): lab 02's library shortcuts; in labs
-  03-08, an answer rebuilt from the package's seeds that communicates nothing (`REBUILT`), graded on the
-  attacked task's first case only, with the solution's drawn inputs and references; labs 08-10's answers
-  taken from the package (issue 38). Unfilled labs: the class's `not_started` here, and every lab's stubs in
-  tests/test_labs.py (the same task code).
+  learner's hand-ins of the whole course (`grade_together`: one runner, one sandbox, lab after lab; each lab's
+  cases, inputs, audit and verdicts are still its own);
+- beside it, in a second runner: lab 02's library shortcuts; in labs 03-08, an answer rebuilt from the
+  package's seeds that communicates nothing (`REBUILT`), graded on the attacked task's first case only, with
+  the solution's drawn inputs and references; labs 08-10's answers taken from the package (issue 38). Unfilled
+  labs: the class's `not_started` here, and every lab's stubs in tests/test_labs.py (the same task code).
 
 The tests then read those results. `leftover`: the processes a class run left behind (the rule of
 conftest's `no_orphans`, applied after the whole session's grading).
@@ -68,13 +68,15 @@ BWRAP = sandbox.bwrap_path() is not None and (sandbox.works(True) or sandbox.wor
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bubblewrap is not usable here (the attacks run only sandboxed)")
 
 
+CLASS_CASES = ("reduce_scatter, 2 ranks", "reduce_scatter, 3 ranks")    # the class's cases: 2 lines each
 BUSY_CAP_S = 2.0      # CPU s per rank: the kernel class run's busy loop is stopped here (see kernel_run)
 
 # Issue 38: a rank's own process searched for a process group of a real backend (every gc-tracked object and
 # what they refer to: pybind objects are not tracked themselves), from code compiled under a `<frozen x>` name;
-# each one found is used for an unmetered all-reduce. The broker holds the real groups: the rank has none.
+# each one found is used for an unmetered all-reduce. The broker holds the real groups: the rank has none. Then
+# its siblings' files and memory through /proc.
 REACH_INTO_SELF = '''
-import gc, json
+import gc, json, os
 def _reach():
     found, seen = set(), set()
     objs = gc.get_objects()
@@ -89,13 +91,34 @@ def _reach():
                 found.add(name + ": " + type(exc).__name__)
     return sorted(found)
 exec(compile("def _hidden():\\n    return _reach()\\n", "<frozen x>", "exec"), globals())
-_seen = {"groups": _hidden()}
+_seen = {"groups": _hidden(), "tried": 0, "opened": [], "mem": []}
+# the rank's siblings (same uid): every file they hold, opened for writing through /proc/<pid>/fd (a sibling
+# rank's pipe to its broker, its event stream), and their memory through /proc/<pid>/mem
+for _pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+    _seen["tried"], _name = _seen["tried"] + 1, _pid
+    try:
+        _name = open(f"/proc/{_pid}/comm").read().strip()
+        _fds = os.listdir(f"/proc/{_pid}/fd")
+    except OSError:
+        _fds = []
+    for _fd in _fds:
+        try:
+            os.close(os.open(f"/proc/{_pid}/fd/{_fd}", os.O_WRONLY | os.O_NONBLOCK))
+            _seen["opened"].append(_name + " fd " + _fd)
+        except OSError:
+            pass
+    try:
+        os.close(os.open(f"/proc/{_pid}/mem", os.O_RDWR))
+        _seen["mem"].append(_name)
+    except OSError:
+        pass
 def ring_reduce_scatter(tensor, op=dist.ReduceOp.SUM):
     raise RuntimeError("PROBE " + json.dumps(_seen, separators=(",", ":")))
 '''
 
 # Issue 38: the rank's request pipe to its broker, found through /proc/self/fd, given a forged 'region end' for
 # the check's first traffic region (what would cut its traffic short): the broker books the marker as forged.
+# (A case that raised is not judged on its traffic: the right ring follows, in place of RING.)
 FORGED_REGION = '''
 import json, os, struct
 for _fd in os.listdir("/proc/self/fd"):
@@ -163,46 +186,48 @@ def _grade_everything(tmp_path_factory, labs):
             return prepare(name, only, first_case=first_case)
 
     def class_run():
+        # on 2 and 3 ranks (4 points): a second case is what a stub or a hang skips; 4 ranks would only add CPU
         mk.write(mk.ch1_class(), folder / "class")
-        return grade(lab("01_collectives", ["reduce_scatter"]), [folder / "class"], out=folder / "class_grades",
+        return grade(lab("01_collectives", list(CLASS_CASES)), [folder / "class"], out=folder / "class_grades",
                      jobs=2, opts=opts)
 
-    def attack_run():
-        # what kills a runner (route 4) or floods its log (route 7), with the broken files, as a class run,
-        # reports written; the other routes are graded in kernel_run's shared runner
-        mk.write({**{name: routes[name] for name in mk.ATTACKS_ALONE}, **mk.malformed()}, folder / "attacks")
-        return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "attacks"],
-                     out=folder / "attack_grades", jobs=2, opts=opts)
+    # the result cap is set low in the attack runs, so a 6 MiB-per-rank answer overflows it (honest results are
+    # kilobytes)
+    attack_opts = Options(sandbox=box, max_result_bytes=8 << 20)
 
-    def kernel_run():
-        # issue 28: every kernel and DoS attack, the honest solution beside them; the result cap is set low, so
-        # a 6 MiB-per-rank answer overflows it (honest results are kilobytes). What stops its runner (the
-        # overflow) is a class run of its own, reports written; every attack judged case by case (issue 28's
-        # and issue 11's routes) shares one runner and sandbox (a runner start is ~2 CPU s of imports), the
-        # honest solution graded last in it: nothing an attack did there outlives its own case.
-        kernel_opts = Options(sandbox=box, max_result_bytes=8 << 20)
+    def alone_run():
+        # what stops a runner (issue 28's result overflow) or floods its log (route 7), each in a runner of its
+        # own, with the broken files, as one class run, reports written
+        attacks = mk.kernel_attacks()
+        mk.write({**{name: routes[name] for name in mk.ATTACKS_ALONE}, **{name: attacks[name] for name in
+                                                                          mk.KERNEL_ALONE}, **mk.malformed()},
+                 folder / "alone")
+        return grade(lab("01_collectives", ["reduce_scatter, 2 ranks"]), [folder / "alone"],
+                     out=folder / "alone_grades", jobs=2, opts=attack_opts)
+
+    def shared_run():
+        # every attack judged case by case (issue 11's other routes, issue 28's kernel and DoS attacks, issue
+        # 38's reach into the rank's own process and its siblings') shares one runner and sandbox (a runner start
+        # is ~2 CPU s of imports), the honest solution graded last in it: nothing an attack did there outlives
+        # its own case
         the_lab = lab("01_collectives", ["reduce_scatter, 2 ranks"])
         attacks = mk.kernel_attacks()
         ch1, good, rs, _ = mk._ch1()
         attacks["k_reach_into_self"] = mk.submission(ch1, dict(good, **{rs: REACH_INTO_SELF}))
         attacks["k_forged_region"] = mk.submission(ch1, dict(good, **{rs: FORGED_REGION.replace("RING", good[rs])}))
-        alone = {name: attacks.pop(name) for name in mk.KERNEL_ALONE}
+        for name in mk.KERNEL_ALONE:
+            attacks.pop(name)
         shared = {**{name: src for name, src in routes.items() if name not in mk.ATTACKS_ALONE}, **attacks}
         shared["honest"] = shared.pop("honest")
-        mk.write(alone, folder / "kernel")
         paths = mk.write(shared, folder / "shared")
         # the busy loop is stopped at its case's livelock bound, here lowered from the notebook's (at least 6 CPU s
         # per rank, recorded by `prepare`: test_a_busy_loop_...) to BUSY_CAP_S: the same path, 8 CPU s less
         caps["prepared"] = dict(the_lab.work_caps)
         busy = dataclasses.replace(the_lab, work_caps={key: BUSY_CAP_S for key in the_lab.work_caps})
-        together = grade_together([(busy if name == "busy_loop" else the_lab, paths[name]) for name in shared],
-                                  opts=kernel_opts)
-        got = grade(the_lab, [folder / "kernel"], out=folder / "kernel_grades", jobs=2, opts=kernel_opts)
-        for name, r in zip(shared, together):
-            (extra if name in routes else got).append(r)
-        return got
+        return grade_together([(busy if name == "busy_loop" else the_lab, paths[name]) for name in shared],
+                              opts=attack_opts)
 
-    routes, extra = mk.attacks(os.getpid(), listener.getsockname()[1]), []
+    routes = mk.attacks(os.getpid(), listener.getsockname()[1])
     shipped, caps = {}, {}
 
     def prepared(name):
@@ -244,32 +269,41 @@ def _grade_everything(tmp_path_factory, labs):
             names.append(f"package_{name}")
         return [(name, the_lab, paths[name]) for the_lab, name in zip(attacked, names)]
 
-    def course_run():
-        # every selected lab's solution, as one learner's hand-ins of the whole course: one runner, one sandbox;
-        # after them, in the same runner, the answers graded on one task each (lab 02's shortcuts, the REBUILT
-        # answers, the package's answers): one runner start (the full preload, ~4 CPU s) for all of them
-        paths = mk.write({name: mk.solution_and_unfilled(name)["correct"] for name in labs}, folder / "solutions")
-        parts = [("solutions", name, prepared(name), paths[name]) for name in labs]
-        parts += [("shortcut", *part) for part in shortcut_parts()] if BWRAP else []
-        parts += [("predicted", *part) for part in predicted_parts()]
+    def course_run(names, more):
+        # selected labs' solutions, as one learner's hand-ins of the whole course: one runner, one sandbox; after
+        # them, in the same runner, answers graded on one task each (`more`: lab 02's shortcuts, or the REBUILT
+        # answers and the package's answers): one runner start (the full preload, ~4 CPU s) for all of them
+        paths = mk.write({name: mk.solution_and_unfilled(name)["correct"] for name in names}, folder / "solutions")
+        parts = [("solutions", name, prepared(name), paths[name]) for name in names] + more()
         got = grade_together([(the_lab, path) for _, _, the_lab, path in parts], opts=opts)
         out = {"solutions": {}, "shortcut": {}, "predicted": {}}
         for (key, name, _, _), r in zip(parts, got):
             out[key][name] = r
         return out
 
-    # longest first; the class runs grade two submissions at a time themselves
-    work = [("course", course_run), ("class", class_run)]
-    work += [("attacks", attack_run), ("kernel", kernel_run)] if BWRAP else []
+    # two at a time, longest first (measured); the class runs grade two submissions at a time themselves. The
+    # course is split in two runners (labs alternately), each with its share of the one-task answers
+    shortcuts = (lambda: [("shortcut", *part) for part in shortcut_parts()]) if BWRAP else list
+    work = [("course", lambda: course_run(labs[0::2], shortcuts)),
+            ("course2", lambda: course_run(labs[1::2], lambda: [("predicted", *part) for part in predicted_parts()]))]
+    work += [("shared", shared_run), ("class", class_run)] if BWRAP else [("class", class_run)]
+    work += [("alone", alone_run)] if BWRAP else []
+    walls = {}
+
+    def timed(key, fn):
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            walls[key] = time.monotonic() - t0
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {key: pool.submit(fn) for key, fn in work}
+            futures = {key: pool.submit(timed, key, fn) for key, fn in work}
         done = {key: f.result() for key, f in futures.items()}
     finally:
         listener.close()
-    done.update(done.pop("course"))      # solutions, shortcut, predicted: their CPU s are shares of one runner's
-    if BWRAP:
-        done["attacks"] = done["attacks"] + extra      # the routes graded in kernel_run's shared runner
+    courses = [done.pop("course"), done.pop("course2")]    # each result's CPU s: its share of its runner's
+    done.update({key: {**courses[0][key], **courses[1][key]} for key in courses[0]})
     leftover = [what for pid, what in _descendants().items() if pid not in before]
     flat = {key: list(got.values()) if isinstance(got, dict) else got for key, got in done.items()}
     results = [r for got in flat.values() for r in got]
@@ -280,9 +314,12 @@ def _grade_everything(tmp_path_factory, labs):
     for key, got in flat.items():
         print(f"  {key}: {len(got)} submissions, {sum(r.cpu_s for r in got):.1f} CPU s, "
               f"longest {max((r.seconds for r in got), default=0):.0f} s")
+    print("  runs (wall s): " + ", ".join(f"{key} {s:.0f}" for key, s in walls.items()))
+    print("  solutions (CPU s): " + ", ".join(f"{name} {r.cpu_s:.1f}" for name, r in done["solutions"].items()))
+    # every attack by name: issue 11's routes, issue 28's and 38's, the broken files (names are distinct)
+    attacked = _by_stem(done.get("alone", []) + done.get("shared", []))
     return SimpleNamespace(
-        cls=_by_stem(done["class"]), attacks=_by_stem(done.get("attacks", [])),
-        kernel=_by_stem(done.get("kernel", [])), shortcut=done["shortcut"], folder=folder,
+        cls=_by_stem(done["class"]), attacks=attacked, kernel=attacked, shortcut=done["shortcut"], folder=folder,
         labs=done["solutions"], predicted={k: r for k, r in done["predicted"].items() if k in mk.PREDICTED},
         kernel_caps=caps.get("prepared", {}), package_answers=done["predicted"]["package_answers"],
         package_routes={name: done["predicted"][f"package_{name}"] for name in mk.PACKAGE_ROUTES},
@@ -295,7 +332,7 @@ def _grade_everything(tmp_path_factory, labs):
 def test_chapter1_class_scores(graded):
     got = graded.cls
     scores = {name: got[name].score for name in mk.ch1_class()}
-    assert scores == {"correct": 6, "not_started": 0, "wrong": 0, "partial": 0, "crashing": 0, "hanging": 0,
+    assert scores == {"correct": 4, "not_started": 0, "wrong": 0, "partial": 0, "crashing": 0, "hanging": 0,
                       "tampered_check": 0, "deleted_check": 0, "rank_side_patch": 0, "invalid_json": 0}
     reasons = {name: [v.reason for v in got[name].verdicts] for name in scores}
     # the library all-reduce gets the values right, but lab 1 allows only send/recv in every call of the check
@@ -307,10 +344,10 @@ def test_chapter1_class_scores(graded):
     assert all(r.startswith("not implemented yet") for r in reasons["not_started"]), reasons["not_started"]
     # the stub raised on the first case's ranks; the runner did not launch the later cases
     assert reasons["not_started"][2:] == [
-        "not implemented yet (not run: an earlier case raised NotImplementedError)"] * 4, reasons["not_started"]
+        "not implemented yet (not run: an earlier case raised NotImplementedError)"] * 2, reasons["not_started"]
     assert any("ZeroDivisionError" in r for r in reasons["crashing"])
     assert reasons["hanging"][0].startswith("hung: rank(s)") and "a receive has no matching send" in reasons["hanging"][0]
-    assert reasons["hanging"][2:] == ["not run: an earlier case (2 ranks) hung"] * 4
+    assert reasons["hanging"][2:] == ["not run: an earlier case (2 ranks) hung"] * 2
     assert all("rebound torch.distributed.all_reduce" in f for f in got["rank_side_patch"].flags), \
         got["rank_side_patch"].flags
     assert all(r.startswith("not a notebook: invalid JSON") for r in reasons["invalid_json"])
@@ -325,11 +362,11 @@ def test_the_class_run_writes_its_reports(graded):
     rows = list(csv.DictReader(open(out / "lines.csv")))
     totals = {Path(r["submission"]).stem: float(r["points"]) for r in rows if r["check"] == "TOTAL"}
     assert totals == {name: graded.cls[name].score for name in mk.ch1_class()}
-    assert len(rows) == len(totals) * 7        # six lines and a total per submission
+    assert len(rows) == len(totals) * 5        # four lines and a total per submission
     # one row per student for an LMS: the task's column and the total; the gradebook shows every student
     book = {r["student"]: r for r in csv.DictReader(open(out / "grades.csv"))}
     assert {k: float(r["total"]) for k, r in book.items()} == totals
-    assert all(r["reduce_scatter"] == r["total"] and r["max"] == "6" for r in book.values())
+    assert all(r["reduce_scatter"] == r["total"] and r["max"] == "4" for r in book.values())
     page = (out / "grades.html").read_text()
     assert all(f"<tr><td>{name}</td>" in page for name in totals) and "[detected]" in page and "[enforced]" in page
     assert {ts.get("name") for ts in ET.parse(out / "junit.xml").getroot().findall("testsuite")} == {
@@ -380,12 +417,12 @@ def test_route3_printing_through_proc_reaches_no_verdict(graded):
 def test_route4_forging_results_and_killing_the_worker_scores_zero(graded):
     r = graded.attacks["route4_forge_and_kill_worker"]
     assert r.score == 0
-    # Either the kill lands (the runner never sent its sealed "done": the submission is void) or the
-    # rank dies first, its /proc writes already booked by the audit: zero either way, and said why.
-    killed = r.note == "the grading runner was killed by SIGKILL before it finished: a rank may have killed it"
-    flagged = r.verdicts and all(v.reason.startswith("audit: ") for v in r.verdicts)
-    assert killed or flagged, (r.note, [v.reason for v in r.verdicts])
-    assert killed or any("for writing" in f for f in r.flags), r.flags
+    # The kill never lands (the rank's seccomp filter: signals to its own process only), and no file of another
+    # process opens through /proc/<pid>/fd (every process beside the rank is non-dumpable, issue 38): what it
+    # tried is booked by the audit, zero, and said why.
+    assert not r.note and r.verdicts and all(v.reason.startswith("audit: ") for v in r.verdicts), (
+        r.note, [v.reason for v in r.verdicts])
+    assert any("os.kill (" in f for f in r.flags) and not any("for writing" in f for f in r.flags), r.flags
 
 
 @needs_bwrap
@@ -394,7 +431,8 @@ def test_route5_a_result_that_runs_code_is_refused(graded):
     assert r.score == 0
     assert all("a check's outputs hold a _Evil, which a result cannot carry" in v.judged for v in r.verdicts), [
         v.judged for v in r.verdicts]
-    assert any("rebound distlab.checks.ch01.RingTask.exercise" in f for f in r.flags), r.flags
+    # the task's class (a row of lab 1's table) given another exercise
+    assert any(re.search(r"rebound distlab\.checks\.\w+\.\w+\.exercise", f) for f in r.flags), r.flags
 
 
 @needs_bwrap
@@ -433,13 +471,13 @@ def test_an_output_flood_fails_its_rank_not_the_run(graded):
 
 @needs_bwrap
 def test_broken_files_get_one_line_and_the_class_run_writes_every_report(graded):
-    got, out = graded.attacks, graded.folder / "attack_grades"
+    got, out = graded.attacks, graded.folder / "alone_grades"
     for name in mk.malformed():
         assert got[name].score == 0 and got[name].note.startswith(("not a notebook", "the file is")), got[name].note
     rows = list(csv.DictReader(open(out / "lines.csv")))
     totals = {Path(r["submission"]).stem: float(r["points"]) for r in rows if r["check"] == "TOTAL"}
     assert totals == {name: got[name].score for name in totals}
-    assert set(totals) == set(mk.ATTACKS_ALONE) | set(mk.malformed())
+    assert set(totals) == set(mk.ATTACKS_ALONE) | set(mk.KERNEL_ALONE) | set(mk.malformed())
     assert all(r["reason"] and "\n" not in r["reason"] for r in rows if r["status"] == "fail")
     suites = ET.parse(out / "junit.xml").getroot().findall("testsuite")
     assert len(suites) == len(totals)
@@ -461,10 +499,14 @@ def test_the_kernel_keeps_a_rank_from_host_files_sockets_processes_and_unmetered
 
 
 @needs_bwrap
-def test_a_rank_that_reaches_into_its_own_process_finds_no_real_process_group(graded):
-    """Issue 38: the real gloo groups live in the rank's broker; gc over the rank (hidden or not) finds none."""
+def test_a_rank_that_reaches_into_its_own_process_or_its_siblings_finds_no_real_process_group(graded):
+    """Issue 38: the real gloo groups live in the rank's broker; gc over the rank (hidden or not) finds none. Its
+    siblings (the other rank, the brokers, the runner and its fork server; one uid) are non-dumpable: their pipes
+    do not open through /proc/<pid>/fd, their memory through /proc/<pid>/mem."""
     r = graded.kernel["k_reach_into_self"]
-    assert _probe(r) == {"groups": []}, r.verdicts[0].judged
+    probe = _probe(r)
+    assert probe["groups"] == [] and probe["opened"] == [] and probe["mem"] == [], r.verdicts[0].judged
+    assert probe["tried"] >= 4, probe     # the other rank, two brokers, the runner: each refused
     assert r.score == 0 and any("<frozen x>" in f for f in r.flags), r.flags
     # a region marker written into the rank's own pipe to its broker is booked by the broker as forged
     forged = graded.kernel["k_forged_region"]
@@ -503,7 +545,7 @@ def test_inputs_come_from_a_secret_seed_so_no_rank_can_rebuild_another_s(graded)
 
 @needs_bwrap
 def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_writes_its_reports(graded):
-    got, out = graded.kernel, graded.folder / "kernel_grades"
+    got, out = graded.kernel, graded.folder / "alone_grades"
     bomb = got["dos_hash_bomb"]
     assert bomb.score == 0 and all("operation EMPTY_TUPLE, which the grader does not read" in v.reason
                                    for v in bomb.verdicts), bomb.verdicts
@@ -515,8 +557,7 @@ def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_wr
     # nothing waited for a case's 180 s cap: the runner alone, and the shared runner's whole time
     assert max(got[name].seconds for name in mk.KERNEL_ALONE) < 120 and got["honest"].seconds < 180
     rows = list(csv.DictReader(open(out / "lines.csv")))     # the class run of those graded alone
-    assert {Path(r["submission"]).stem for r in rows if r["check"] == "TOTAL"} == set(mk.KERNEL_ALONE)
-    assert len(ET.parse(out / "junit.xml").getroot().findall("testsuite")) == len(mk.KERNEL_ALONE)
+    assert set(mk.KERNEL_ALONE) <= {Path(r["submission"]).stem for r in rows if r["check"] == "TOTAL"}
 
 
 @needs_bwrap

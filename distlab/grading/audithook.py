@@ -364,9 +364,9 @@ def _op_runner(send: Any, groups: dict, live: dict, broker: Any = None) -> Any:
     """`on_op(args)`: a call on a MeteredGroup, run on the real group (`groups`), booked, its Work handed back in
     the box; each op is also added to the `track_comm` meters open now (`live`)."""
     import torch
-    from distlab.grading.pgmeter import COALESCING, OP_KINDS, booking
-    book = booking(torch._C.TensorBase.numel, torch._C.TensorBase.element_size, torch._C.TensorBase.dim,
-                   torch._C.TensorBase.size)
+    from distlab.grading.pgmeter import COALESCING, OP_KINDS, algorithmic_bytes_booker
+    base = torch._C.TensorBase
+    book = algorithmic_bytes_booker(base.numel, base.element_size, base.dim, base.size)
     TensorBase, no_torch_fn, no_dispatch = torch._C.TensorBase, torch._C.DisableTorchFunction, \
         torch._C._DisableTorchDispatch
     mro_of, name_of = type.__dict__["__mro__"].__get__, type.__dict__["__name__"].__get__

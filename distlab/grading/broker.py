@@ -12,7 +12,7 @@ the broker unlinks once the rank has opened them. Its `MeteredGroup` (see
 `distlab.grading.pgmeter`) forwards every collective and point-to-point call
 through the audit hook to `Client.issue`: the op's name, its group, its
 arguments as JSON and its tensors' bytes. The broker rebuilds the tensors,
-runs the op on the real group, books its algorithmic bytes (`pgmeter.booking`,
+runs the op on the real group, books its algorithmic bytes (`pgmeter.algorithmic_bytes_booker`,
 the bytes `track_comm` counts) and answers with a handle; `BrokerWork.wait`
 fetches the op's outputs (its first argument) and copies them into the rank's
 tensors. `track_comm` blocks are marked in the same pipe, in order
@@ -185,14 +185,10 @@ def flat_tensors(x: Any, tensor_type: type) -> list[Any]:
 
 
 # -- the broker process -------------------------------------------------------------------------------------
-def _no_dump() -> None:
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
-
-
 def serve(rank: int, port: int, req_path: str, rep_path: str, log: Any) -> None:
     """The broker of one rank: serve its requests until the rank closes its pipe. `log`: the runner's pipe."""
-    _no_dump()
+    from distlab.grading.seccomp import no_dump
+    no_dump()
     out = log.fileno()
 
     def note(*fields: Any) -> None:
@@ -217,9 +213,9 @@ class _Broker:
         import torch
         import torch.distributed as dist
 
-        from distlab.grading.pgmeter import OP_KINDS, booking
+        from distlab.grading.pgmeter import OP_KINDS, algorithmic_bytes_booker
         base = torch._C.TensorBase
-        self.book = booking(base.numel, base.element_size, base.dim, base.size)
+        self.book = algorithmic_bytes_booker(base.numel, base.element_size, base.dim, base.size)
         self.kinds = dict(OP_KINDS)
         self.rank, self.req, self.rep, self.note, self.torch = rank, req, rep, note, torch
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))

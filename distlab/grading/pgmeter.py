@@ -42,7 +42,7 @@ OP_KINDS = {
 }
 
 
-def booking(numel: Any, element_size: Any, dim: Any, size: Any) -> Any:
+def algorithmic_bytes_booker(numel: Any, element_size: Any, dim: Any, size: Any) -> Any:
     """`book(name, args, n, me) -> (kind, bytes)`: what one call sends, as `track_comm` books it.
 
     Built once, before learner code runs, from the tensor functions given

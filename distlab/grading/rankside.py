@@ -3,7 +3,8 @@
 The sandbox runner launches `run_case(...)` on every rank of one case with
 `distlab.launch`. In order, before any learner code:
 
-0. its secret inputs, when the lab's are drawn by the grader (`distlab.grading.secret`);
+0. it becomes non-dumpable (`seccomp.no_dump`: no sibling rank opens its pipes through /proc/<pid>/fd), then
+   its secret inputs, when the lab's are drawn by the grader (`distlab.grading.secret`);
 1. its pipes to its broker (`distlab.grading.broker`, CPU/gloo ranks), then
    `audithook.install`: the rank's event stream and its key, the hook;
 2. the lab's library shortcuts are watched (`distlab.grading.shortcuts`), and
@@ -181,7 +182,9 @@ def run_case(lab: str, task_name: str, case_index: int, cells: list[tuple[str, s
     """On every rank: one case of one task with the learner's cells; returns the outputs (safetensors bytes).
     `input_paths`: one FIFO per rank holding its secret inputs (`distlab.grading.secret`); `broker_paths`: each
     rank's request and reply FIFOs to its broker (`distlab.grading.broker`), which then owns the real groups."""
-    # first: every rank has read and unlinked its own before any rank runs learner code
+    # non-dumpable first, before its pipes open: no sibling rank (same uid) reaches them through /proc/<pid>/fd
+    seccomp.no_dump()
+    # then: every rank has read and unlinked its own before any rank runs learner code
     mine = secret.load(secret.receive(input_paths[dist.get_rank()])) if input_paths else None
     # opened by every rank before the barrier in `_metered_group`: its broker unlinks them then
     client = broker.Client(*broker_paths[dist.get_rank()]) if broker_paths else None

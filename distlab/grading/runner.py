@@ -46,6 +46,7 @@ import psutil
 from distlab.engine import procs
 from distlab.grading.broker import Brokers
 from distlab.grading.channel import Writer
+from distlab.grading.seccomp import no_dump
 
 _STARTED = time.monotonic()
 MAX_STREAM = 8 << 20     # bytes of audit events kept per rank and case
@@ -65,7 +66,20 @@ def _fork_server(close: tuple[int, ...]) -> None:
     from multiprocessing import connection, forkserver, resource_tracker, util
 
     server = forkserver._forkserver
-    resource_tracker.ensure_running()
+    # the resource tracker is a fresh interpreter (exec makes it dumpable again): its first act makes it
+    # non-dumpable, or a rank (same uid) could write into its memory through /proc/<pid>/mem and run outside the
+    # rank's seccomp filter
+    spawn = util.spawnv_passfds
+
+    def spawnv_passfds(path: str, args: list, passfds: Any) -> int:
+        if args[-2] == "-c":
+            args = [*args[:-1], "import ctypes; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); " + args[-1]]
+        return spawn(path, args, passfds)
+    util.spawnv_passfds = spawnv_passfds
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        util.spawnv_passfds = spawn
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
     listener.bind(address)
@@ -90,15 +104,6 @@ def _fork_server(close: tuple[int, ...]) -> None:
     os.close(alive_r)
     listener.close()
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-
-
-def _no_dump() -> None:
-    """prctl(PR_SET_DUMPABLE, 0): /proc/<this>/mem, fd, environ and ptrace closed to the ranks."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 class _Streams:
@@ -277,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     preload = dict.fromkeys(name for module in modules for name in getattr(module, "RANK_IMPORTS", _PRELOAD))
     for name in (*preload, "distlab.grading.rankside", "distlab.grading.safeload", "distlab.checks.verdict"):
         __import__(name)
+    # before the fork server starts: it, and every rank it forks, is non-dumpable too (a rank, same uid, could
+    # otherwise write into the fork server's memory through /proc/<pid>/mem and fork outside its seccomp filter)
+    no_dump()
     _fork_server((args.result_fd, args.secret_fd, 0))
-    _no_dump()
     sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)
     procs.become_subreaper()   # without a sandbox, a rank's orphans come back here to be stopped
     with os.fdopen(args.secret_fd, "rb") as f:

@@ -17,6 +17,9 @@ it, and it can never be removed. The kernel then answers EPERM to:
   (SIGIO sent to another process) never. The runner and the grader cannot be stopped or killed;
 - process_vm_readv/writev and pidfd_getfd (another rank's memory or files), io_uring_setup,
   io_uring_enter and io_uring_register (system calls the filter could not see);
+- prctl(PR_SET_DUMPABLE): a rank is made non-dumpable before any learner code (`no_dump`), so a sibling
+  rank (same uid, no CAP_SYS_PTRACE) cannot open its files through /proc/<pid>/fd (its pipes to its
+  broker, its event stream) nor read its memory; the filter keeps it so;
 - every x32 system call (on x86-64).
 
 What already exists keeps working: the store's connection is open, the
@@ -35,6 +38,7 @@ import struct
 import sys
 
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_DUMPABLE = 4
 SECCOMP_SET_MODE_FILTER = 1
 SECCOMP_RET_ALLOW = 0x7FFF0000
 SECCOMP_RET_ERRNO = 0x00050000
@@ -62,7 +66,7 @@ ARCHES = {
         "kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
         "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "process_vm_readv": 310,
         "process_vm_writev": 311, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "fcntl": 72, "ioctl": 16}),
+        "fcntl": 72, "ioctl": 16, "prctl": 157}),
     "aarch64": (0xC00000B7, 277, {
         "socket": 198, "socketpair": 199, "bind": 200, "listen": 201, "accept": 202, "connect": 203,
         "accept4": 242, "clone": 220, "execve": 221, "execveat": 281, "clone3": 435,
@@ -70,7 +74,7 @@ ARCHES = {
         "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
         "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "process_vm_readv": 270,
         "process_vm_writev": 271, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "fcntl": 25, "ioctl": 29}),
+        "fcntl": 25, "ioctl": 29, "prctl": 167}),
 }
 SOCKET_CALLS = ("socket", "socketpair", "bind", "listen", "connect", "accept", "accept4")
 PROCESS_CALLS = ("fork", "vfork", "execve", "execveat", "setsid", "setpgid", "ptrace", "unshare", "setns",
@@ -121,13 +125,14 @@ def program(machine: str | None = None, sockets: bool = True, pid: int | None = 
     items += [(JEQ_K, calls["clone"], "clone", None), (JEQ_K, calls["clone3"], "enosys", None)]
     items += [(JEQ_K, calls[n], "own_pid", None) for n in OWN_PID_CALLS]
     items += [(JEQ_K, calls["fcntl"], "fcntl", None), (JEQ_K, calls["ioctl"], "ioctl", None),
-              (RET_K, SECCOMP_RET_ALLOW)]
+              (JEQ_K, calls["prctl"], "prctl", None), (RET_K, SECCOMP_RET_ALLOW)]
     items += [("label", "clone"), (LD_W_ABS, ARG0), (JSET_K, CLONE_THREAD, "allow", "eperm")]
     items += [("label", "own_pid"), (LD_W_ABS, ARG0 + 4), (JEQ_K, 0, None, "eperm"), (LD_W_ABS, ARG0),
               (JEQ_K, pid, "allow", "eperm")]
     items += [("label", "fcntl"), (LD_W_ABS, ARG1)] + [(JEQ_K, c, "eperm", None) for c in (F_SETOWN, F_SETSIG,
                                                                                           F_SETOWN_EX)]
-    items += [(RET_K, SECCOMP_RET_ALLOW), ("label", "ioctl"), (LD_W_ABS, ARG1), (JEQ_K, FIOSETOWN, "eperm", None),
+    items += [(RET_K, SECCOMP_RET_ALLOW), ("label", "prctl"), (LD_W_ABS, ARG0), (JEQ_K, PR_SET_DUMPABLE, "eperm", "allow")]
+    items += [("label", "ioctl"), (LD_W_ABS, ARG1), (JEQ_K, FIOSETOWN, "eperm", None),
               (JEQ_K, SIOCSPGRP, "eperm", None)]
     items += [("label", "allow"), (RET_K, SECCOMP_RET_ALLOW), ("label", "eperm"), (RET_K, SECCOMP_RET_ERRNO | EPERM),
               ("label", "enosys"), (RET_K, SECCOMP_RET_ERRNO | ENOSYS)]
@@ -136,6 +141,16 @@ def program(machine: str | None = None, sockets: bool = True, pid: int | None = 
 
 class _Prog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def no_dump() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): this process's /proc/<pid>/fd, mem and environ, and ptrace, closed to every
+    process of the same uid without CAP_SYS_PTRACE (a rank, the runner's other children). Its children inherit it;
+    the grader, outside the sandbox's user namespace, keeps reading /proc/<pid>/root and statm."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
 def confine(sockets: bool = True) -> bool:
