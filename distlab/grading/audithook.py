@@ -137,21 +137,21 @@ def frozen_codes() -> frozenset:
 FRAME_CALLBACKS = ("set_eval_frame", "set_bytecode_debugger_callback")
 
 
-def set_eval_frame(callback: Any) -> Any:
-    """`torch._C._dynamo.eval_frame.set_eval_frame` under grading: None (or False) goes through, as
+def _frame_setter(name: str) -> Any:
+    """torch's `torch._C._dynamo.eval_frame.<name>` under grading: None (or False) goes through, as
     `torch._dynamo.disable` uses it; a callback is refused. The real function is held by the hook only."""
-    box: list = []
-    sys.audit("distlab.frames", "set_eval_frame", callback, box)
-    from distlab.grading.pgmeter import unbox
-    return unbox(box, "set_eval_frame")
+    def setter(callback: Any) -> Any:
+        box: list = []
+        sys.audit("distlab.frames", name, callback, box)
+        from distlab.grading.pgmeter import unbox
+        return unbox(box, name)
+    setter.__name__ = setter.__qualname__ = name
+    setter.__doc__ = _frame_setter.__doc__.replace("<name>", name)
+    return setter
 
 
-def set_bytecode_debugger_callback(callback: Any) -> Any:
-    """`torch._C._dynamo.eval_frame.set_bytecode_debugger_callback` under grading; see `set_eval_frame`."""
-    box: list = []
-    sys.audit("distlab.frames", "set_bytecode_debugger_callback", callback, box)
-    from distlab.grading.pgmeter import unbox
-    return unbox(box, "set_bytecode_debugger_callback")
+FRAME_SETTERS = {name: _frame_setter(name) for name in FRAME_CALLBACKS}
+set_eval_frame = FRAME_SETTERS["set_eval_frame"]
 
 
 def _take_frame_callbacks() -> dict[str, Any]:
@@ -162,7 +162,7 @@ def _take_frame_callbacks() -> dict[str, Any]:
     import torch
     module = torch._C._dynamo.eval_frame
     originals = {name: getattr(module, name) for name in FRAME_CALLBACKS if hasattr(module, name)}
-    mine = {"set_eval_frame": set_eval_frame, "set_bytecode_debugger_callback": set_bytecode_debugger_callback}
+    mine = FRAME_SETTERS
     for name, fn in originals.items():
         for holder in gc.get_referrers(fn):
             if type(holder) is dict and holder is not originals:   # module namespaces (torch._dynamo's
@@ -537,7 +537,7 @@ def _distlab_events(trusted_codes: dict[str, Any], send: Any, safe: Any, on_op: 
     """`on_distlab(ev, args, code, src)`: a `distlab.*` event, run when raised by the code allowed to raise it
     (`trusted_codes`), else booked as forged; `src`: where learner code is on the stack ('' when nowhere)."""
     codes = {role: frozenset(c if isinstance(c, (list, tuple)) else (c,)) for role, c in trusted_codes.items()}
-    codes["distlab.frames"] = frozenset((set_eval_frame.__code__, set_bytecode_debugger_callback.__code__))
+    codes["distlab.frames"] = frozenset((set_eval_frame.__code__,))     # every setter's (one code object)
     on_create = _group_creator(send, groups, broker)
     on_region, on_lookup = _region_book(send, live, broker)
     take_snapshot, compare = snapshots
