@@ -167,7 +167,9 @@ class ShardedModule(nn.Module):
     replicate: None (shard everything), qualified names of modules or parameters ('pos', 'ln_f',
       'blocks.0.ln1.weight'), or a predicate (name, parameter) -> bool. A replicated parameter starts
       from rank 0's value (one broadcast each) and its gradient is all-reduced (one all-reduce each,
-      Ψ_rep·4·2(N-1)/N bytes per step); a unit left with nothing to shard is dropped.
+      Ψ_rep·4·2(N-1)/N bytes per step); a unit left with nothing to shard is dropped. A replicated
+      parameter is used as it is, fp32, never cast: where the gathered units compute in bf16 (a GPU
+      with gather_dtype=bf16), replicate only what takes fp32 weights with bf16 inputs.
     state_dict(): what this rank saves: its own flat shards (not the model: 1/N of each unit), the
       replicated parameters, the module's buffers, and `_extra_state`: world size, rank, and each unit's
       parameter names, numel and padded size. Save it per rank (`torch.save` to a file of its own, with
