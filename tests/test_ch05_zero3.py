@@ -250,16 +250,19 @@ def _as_module(ZeRO3, ckpt):
     step(resumed, opt, STEPS - 1)
     out["resumed"] = resumed.gather_full_params()
     out["saved_keys"] = sorted(mine["model"])
+    # One process on the whole batch, on a rank (the checks' references are computed so too): AdamW on
+    # rank 0, SGD on rank 1, side by side, and this process never imports torch.optim's first-use machinery.
+    from distlab.course.models import train_reference
+    out["reference"] = train_reference("tiny", steps=STEPS, batch_size=BATCH, lr=LR,
+                                       optimizer=torch.optim.AdamW if r == 0 else _sgd).params
     return out
 
 
 def test_zero3_trains_with_plain_torch_optimizers_replicates_and_resumes(tmp_path, no_orphans):
     import distlab
-    from distlab.course.models import train_reference
     ZeRO3 = answers(LAB).ZeRO3
     outs = distlab.launch(_as_module, 2, args=(ZeRO3, str(tmp_path)))
-    adamw = train_reference("tiny", steps=STEPS, batch_size=BATCH, lr=LR).params
-    sgd = train_reference("tiny", steps=STEPS, batch_size=BATCH, lr=LR, optimizer=_sgd).params
+    adamw, sgd = outs[0]["reference"], outs[1]["reference"]
     units = len(block_units(build_model("tiny", device="cpu")))
     for r, out in enumerate(outs):
         # parameters() is this rank's flat shards, one per unit, each with its reduced gradient shard
