@@ -10,7 +10,8 @@ May import: engine, theory, meters, bench, course, checks, and the top-level `di
     rankside.py     on each rank: audit hook, metered process group, seccomp, then PRELUDE + the learner's cells
     audithook.py    the hook: runs and books every collective, streams evidence as it happens
     pgmeter.py      the metered ProcessGroup (holds no communicator) and the bytes it books
-    seccomp.py      the kernel filter each rank installs once its group is up: no sockets, processes, sessions
+    seccomp.py      the kernel filter each rank installs once its group is up: no sockets, processes, sessions,
+                    signals to others; no_dump: every process in the sandbox closed to its same-uid siblings' /proc
     shortcuts.py    each lab's library shortcut (lab 02: DDP, ...), found in the source and watched on the rank
     wire.py         a rank's outputs as safetensors + JSON (no pickle); resultcheck.py: their bounds, in a child
     channel.py      sealed (HMAC), ordered records; safeload.py: the launcher's wrapper read as plain data only
