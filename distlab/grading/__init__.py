@@ -16,6 +16,6 @@ May import: engine, theory, meters, bench, course, checks, and the top-level `di
     wire.py         a rank's outputs as safetensors + JSON (no pickle); resultcheck.py: their bounds, in a child
     channel.py      sealed (HMAC), ordered records; safeload.py: the launcher's wrapper read as plain data only
     evidence.py     reading a rank's stream: traffic per meter region, what learner code did
-    report.py       grades.csv, grades.md, junit.xml;  bench.py: seconds per submission;  cli.py
+    report.py       grades.csv, grades.html, grades.md, junit.xml;  cli.py
     (distlab/apps/nbval_plugin.py: `pytest --nbval-lax --distlab-grade LAB handins/`, the same engine)
 """

@@ -1,7 +1,9 @@
 """How long grading takes: seconds per submission for each lab, with --jobs 1 and --jobs 2.
 
-    python -m distlab.grading.bench                      # every lab with a check module, 4 submissions each
-    python -m distlab.grading.bench --labs 01_collectives --count 6
+    .venv/bin/python tools/grading_bench.py                      # every lab with a check module, 4 submissions each
+    .venv/bin/python tools/grading_bench.py --labs 01_collectives --count 6
+
+(A benchmark, not the grader: it lived in distlab/grading/ until issue 38; tools/class_run_bench.py times a class.)
 
 Each submission is the lab's solution with a different comment in one answer
 cell (so none is graded as a copy of another): every case of every task
@@ -26,7 +28,7 @@ import nbformat
 
 from distlab.checks.labs import BEGIN, END
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def labs_with_modules() -> list[str]:
@@ -74,7 +76,7 @@ def measure(lab: str, count: int, jobs: int, sandbox: list[str] | None) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m distlab.grading.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tools/grading_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--labs", nargs="*", default=None, help="labs to time (default: every lab with checks)")
     ap.add_argument("--count", type=int, default=4, help="submissions per lab and jobs setting (default 4)")
     ap.add_argument("--jobs", type=int, nargs="*", default=[1, 2], help="--jobs settings to time (default 1 2)")
