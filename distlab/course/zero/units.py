@@ -163,7 +163,10 @@ class ShardedModule(nn.Module):
       (unit i's padded/N fp32 elements, an `nn.Parameter` whose .grad after backward is this rank's
       slice of the mean gradient), then the parameters kept whole on every rank, under their own names
       (`module.ln_f.weight`; .grad after backward: the mean over ranks, all-reduced). The wrapped
-      module's other slots hold None between steps.
+      module's other slots hold None between steps. What is computed over `parameters()` is this rank's
+      part only: `clip_grad_norm_(zero.parameters(), c)` clips by a local norm (FSDP2's DTensors reduce
+      theirs); clip by the global one, sqrt(all_reduce(local squared norm of the shards)) (+ the
+      replicated gradients' squared norm, counted once).
     replicate: None (shard everything), qualified names of modules or parameters ('pos', 'ln_f',
       'blocks.0.ln1.weight'), or a predicate (name, parameter) -> bool. A replicated parameter starts
       from rank 0's value (one broadcast each) and its gradient is all-reduced (one all-reduce each,
