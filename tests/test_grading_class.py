@@ -6,7 +6,8 @@ Everything is graded once per test session (`graded`), in five runs, two at a ti
 cores stay busy:
 
 - the chapter-1 class on its reduce-scatter task (2 cases: 2 and 3 ranks, 4 points), two submissions at a
-  time, reports written, as an instructor would;
+  time, reports written, as an instructor would (its `crashing` and `rank_side_patch` members, sandboxed, in
+  the attacks' shared runner below: `CLASS_SHARED`);
 - what stops or floods a runner (issue 28's result overflow, route 7's log flood) with the broken files, as a
   second class run, each in a runner of its own, reports written;
 - every other attack (issue 11's routes, issue 28's kernel and DoS attacks, issue 38's reach into the rank's
@@ -69,6 +70,8 @@ needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bubblewrap is not usable her
 
 
 CLASS_CASES = ("reduce_scatter, 2 ranks", "reduce_scatter, 3 ranks")    # the class's cases: 2 lines each
+# class members graded (sandboxed) in the attacks' shared runner, on the 2-rank case: a runner start each less
+CLASS_SHARED = ("crashing", "rank_side_patch")
 BUSY_CAP_S = 2.0      # CPU s per rank: the kernel class run's busy loop is stopped here (see kernel_run)
 
 # Issue 38: a rank's own process searched for a process group of a real backend (every gc-tracked object and
@@ -187,7 +190,7 @@ def _grade_everything(tmp_path_factory, labs):
 
     def class_run():
         # on 2 and 3 ranks (4 points): a second case is what a stub or a hang skips; 4 ranks would only add CPU
-        mk.write(mk.ch1_class(), folder / "class")
+        mk.write({k: v for k, v in mk.ch1_class().items() if k not in class_shared}, folder / "class")
         return grade(lab("01_collectives", list(CLASS_CASES)), [folder / "class"], out=folder / "class_grades",
                      jobs=2, opts=opts)
 
@@ -217,7 +220,8 @@ def _grade_everything(tmp_path_factory, labs):
         attacks["k_forged_region"] = mk.submission(ch1, dict(good, **{rs: FORGED_REGION.replace("RING", good[rs])}))
         for name in mk.KERNEL_ALONE:
             attacks.pop(name)
-        shared = {**{name: src for name, src in routes.items() if name not in mk.ATTACKS_ALONE}, **attacks}
+        shared = {**{name: src for name, src in routes.items() if name not in mk.ATTACKS_ALONE}, **attacks,
+                  **{name: src for name, src in mk.ch1_class().items() if name in class_shared}}
         shared["honest"] = shared.pop("honest")
         paths = mk.write(shared, folder / "shared")
         # the busy loop is stopped at its case's livelock bound, here lowered from the notebook's (at least 6 CPU s
@@ -228,6 +232,7 @@ def _grade_everything(tmp_path_factory, labs):
                               opts=attack_opts)
 
     routes = mk.attacks(os.getpid(), listener.getsockname()[1])
+    class_shared = CLASS_SHARED if BWRAP else ()
     shipped, caps = {}, {}
 
     def prepared(name):
@@ -319,12 +324,13 @@ def _grade_everything(tmp_path_factory, labs):
     # every attack by name: issue 11's routes, issue 28's and 38's, the broken files (names are distinct)
     attacked = _by_stem(done.get("alone", []) + done.get("shared", []))
     return SimpleNamespace(
-        cls=_by_stem(done["class"]), attacks=attacked, kernel=attacked, shortcut=done["shortcut"], folder=folder,
+        cls={**_by_stem(done["class"]), **{name: attacked[name] for name in class_shared}}, attacks=attacked,
+        kernel=attacked, shortcut=done["shortcut"], folder=folder,
         labs=done["solutions"], predicted={k: r for k, r in done["predicted"].items() if k in mk.PREDICTED},
         kernel_caps=caps.get("prepared", {}), package_answers=done["predicted"]["package_answers"],
         package_routes={name: done["predicted"][f"package_{name}"] for name in mk.PACKAGE_ROUTES},
         lines={name: [line for g in shipped[name].graded for line in g.lines] for name in labs},
-        leftover=leftover)
+        leftover=leftover, class_run=[name for name in mk.ch1_class() if name not in class_shared])
 
 
 # ---------------------------------------------------------------- the chapter-1 class
@@ -361,7 +367,7 @@ def test_the_class_run_writes_its_reports(graded):
     out = graded.folder / "class_grades"
     rows = list(csv.DictReader(open(out / "lines.csv")))
     totals = {Path(r["submission"]).stem: float(r["points"]) for r in rows if r["check"] == "TOTAL"}
-    assert totals == {name: graded.cls[name].score for name in mk.ch1_class()}
+    assert totals == {name: graded.cls[name].score for name in graded.class_run}
     assert len(rows) == len(totals) * 5        # four lines and a total per submission
     # one row per student for an LMS: the task's column and the total; the gradebook shows every student
     book = {r["student"]: r for r in csv.DictReader(open(out / "grades.csv"))}
@@ -370,7 +376,7 @@ def test_the_class_run_writes_its_reports(graded):
     page = (out / "grades.html").read_text()
     assert all(f"<tr><td>{name}</td>" in page for name in totals) and "[detected]" in page and "[enforced]" in page
     assert {ts.get("name") for ts in ET.parse(out / "junit.xml").getroot().findall("testsuite")} == {
-        f"class/{name}.ipynb" for name in mk.ch1_class()}
+        f"class/{name}.ipynb" for name in graded.class_run}
 
 
 def test_no_process_is_left_after_the_class_runs(graded):
