@@ -11,6 +11,11 @@ parameters and optimizer states need and reads just those: a checkpoint saved by
 loads on 2 without gathering anything onto one rank. `get_state_dict` / `set_state_dict` give the same
 keys (fully-qualified parameter names) for one process, DDP and `fully_shard`.
 
+The learner's ZeRO-3 (`distlab.course.zero.units.ShardedModule`, lab 5) is not DCP's kind of module: its
+shards are plain tensors that every rank names alike, and DCP would keep one copy of them. Each rank saves its
+own `state_dict()` and its optimizer's with `torch.save` (`rank{r}.pt`), and loads them back at the same world
+size (resharding flat shards by hand is lab 9's `load_shard`).
+
 A checkpoint is first written to `.step_000040.tmp/` and renamed to `step_000040/` only after every rank has
 finished writing (a barrier, then rank 0's `os.replace`, atomic on one file system): a rank killed during
 a save leaves only a hidden folder that `latest` never picks.
@@ -76,6 +81,12 @@ def _one_process_quietly() -> Iterator[None]:
         yield
 
 
+def _per_rank(module: torch.nn.Module) -> bool:
+    """The learner's ZeRO-3: each rank saves and loads its own file (see the module's docstring)."""
+    from distlab.course.zero.units import ShardedModule
+    return isinstance(module, ShardedModule)
+
+
 def _barrier() -> None:
     if _dist():
         dist.barrier()
@@ -107,10 +118,14 @@ def save(ckpt_dir: str | Path, step: int, module: torch.nn.Module, optimizer: to
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)    # the remains of a save that was killed
     _barrier()
-    model_sd, optim_sd = get_state_dict(module, optimizer)
     rngs = [rng_state()]
     with _unaudited(), _one_process_quietly():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        if _per_rank(module):
+            tmp.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": module.state_dict(), "optim": optimizer.state_dict()}, tmp / f"rank{_rank()}.pt")
+        else:
+            model_sd, optim_sd = get_state_dict(module, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if _dist():
             rngs = [None] * dist.get_world_size()
             dist.all_gather_object(rngs, rng_state())
@@ -139,11 +154,20 @@ def load(path: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optim
     the checkpoint's meta. Collective: call on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    with _unaudited(), _one_process_quietly():
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if _per_rank(module):
+        mine = Path(path) / f"rank{_rank()}.pt"
+        if not mine.exists():
+            raise ValueError(f"rank {_rank()}: {path} holds no rank{_rank()}.pt: a ZeRO-3 checkpoint (one file per "
+                             "rank) resumes at the world size that saved it")
+        state = torch.load(mine, map_location=next(module.parameters()).device, weights_only=False)
+        module.load_state_dict(state["model"])          # refuses another rank's or world size's layout
+        optimizer.load_state_dict(state["optim"])
+    else:
+        model_sd, optim_sd = get_state_dict(module, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with _unaudited(), _one_process_quietly():
+            dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = read_meta(path)
     rngs = meta["rng"]
     set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
