@@ -6,7 +6,7 @@ ZeRO memory calculator added as its last cell, runs every cell through JupyterLa
 asserts that the cells ran without an error, that the ranks' output reached the page, and that the
 calculator renders as a widget (sliders and its table), not as `VBox(children=...)`.
 The rest of notebook 00 (relaunch timings, the hang demos, the doctor) runs under nbval in every
-suite run (`pytest --nbval-lax notebooks/00_launching.ipynb`), in a Jupyter kernel as here; the
+suite run (`pytest --nbval-lax notebooks/00_launching_lecture.ipynb`), in a Jupyter kernel as here; the
 browser adds the front end, which those cells use no differently from the first launch.
 One notebook, one kernel: a second notebook would only start another kernel and import torch again.
 
@@ -35,6 +35,8 @@ NOTEBOOK = "00_launching.ipynb"
 # The cells of notebook 00 the browser runs after its set-up cell, each found by a line of its source:
 # the first launch, an all-reduce, a failing rank caught.
 FIRST_SESSION = ("squares = distlab.launch(hello, N)", "def sum_of_ranks():", "def buggy():")
+# ...after the cells that set it up: the machine line, then the imports and N.
+SETUP = ("print(machine_line())", "N = int(os.environ")
 
 
 def _missing() -> str:
@@ -63,9 +65,9 @@ def _free_port() -> int:
 def lab(tmp_path_factory):
     """A JupyterLab server on a private folder holding notebook 00, the calculator added as its last cell."""
     folder = tmp_path_factory.mktemp("lab")
-    nb = nbformat.read(ROOT / "notebooks" / "00_launching.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "notebooks" / "00_launching_lecture.ipynb", as_version=4)
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
-    nb.cells = [code[0]] + [next(c for c in code if mark in c.source) for mark in FIRST_SESSION]
+    nb.cells = [next(c for c in code if mark in c.source) for mark in SETUP + FIRST_SESSION]
     for cell in nb.cells:   # as a learner opens it after "Clear All Outputs": what shows, this run made
         cell.outputs, cell.execution_count = [], None
     nb.cells.append(nbformat.v4.new_code_cell("from distlab.viz.widgets import memory_calculator\nmemory_calculator()"))

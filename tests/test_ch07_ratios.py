@@ -15,7 +15,7 @@ import distlab
 from distlab.theory import tensor_parallel as th
 
 ROOT = Path(__file__).resolve().parents[1]
-LECTURE = ROOT / "notebooks" / "07_tensor_parallel.ipynb"
+LECTURE = ROOT / "notebooks" / "07_tensor_parallel_lecture.ipynb"
 
 
 def lecture_ring() -> types.ModuleType:

@@ -35,7 +35,7 @@ def test_a_run_writes_checkpoints_and_curves_and_refuses_a_foreign_resume(tmp_pa
 
 def test_the_tour_draws_lecture_9s_curves(tmp_path):
     from distlab.apps.tour import TOUR_NOTEBOOKS, _figures
-    assert "notebooks/09_training.ipynb" in TOUR_NOTEBOOKS and "solutions/09_training.ipynb" in TOUR_NOTEBOOKS
+    assert "notebooks/09_training_lecture.ipynb" in TOUR_NOTEBOOKS and "solutions/09_training.ipynb" in TOUR_NOTEBOOKS
     rec = {"name": "curves", "world_size": 2, "single": {"steps": [0, 1, 2], "loss": [5.0, 4.0, 3.0], "val": []},
            "strategies": {"ddp": {"loss": [5.0, 4.0, 3.0], "max_abs_dloss": 0.0, "tokens_per_s_ratio": 0.5}}}
     assert _figures({"training": [rec]}, tmp_path) == ["training_curves.png"]

@@ -16,19 +16,19 @@ def test_every_lecture_and_every_solution_is_checked():
     books = [str(p.relative_to(ROOT)) for p in _notebooks(ROOT)]
     expected = sorted(str(p.relative_to(ROOT)) for d in ("notebooks", "solutions") for p in (ROOT / d).glob("*.ipynb"))
     assert sorted(books) == expected
-    assert {"notebooks/01_collectives.ipynb", "notebooks/03_zero1.ipynb", "notebooks/05_zero3.ipynb"} <= set(books)
-    assert books.index("notebooks/01_collectives.ipynb") < books.index("solutions/01_collectives.ipynb") \
-        < books.index("notebooks/02_ddp.ipynb")
+    assert {"notebooks/01_collectives_lecture.ipynb", "notebooks/03_zero1_lecture.ipynb", "notebooks/05_zero3_lecture.ipynb"} <= set(books)
+    assert books.index("notebooks/01_collectives_lecture.ipynb") < books.index("solutions/01_collectives.ipynb") \
+        < books.index("notebooks/02_ddp_lecture.ipynb")
 
 
 def test_each_result_goes_to_its_own_notebook(tmp_path):
     # What nbval's junit file holds: the path with dots. Names overlap on purpose.
-    results = [("solutions.08_pipeline.ipynb::Cell 3", "failed"), ("notebooks.08_pipeline_3d.ipynb::Cell 1", "passed"),
-               ("notebooks.02_ddp.ipynb::Cell 0", "passed"), ("solutions.02_ddp.ipynb::Cell 0", "failed")]
-    assert results_of(ROOT / "notebooks/08_pipeline_3d.ipynb", ROOT, results) == ["passed"]
+    results = [("solutions.08_pipeline.ipynb::Cell 3", "failed"), ("notebooks.08_pipeline_3d_lecture.ipynb::Cell 1", "passed"),
+               ("notebooks.02_ddp_lecture.ipynb::Cell 0", "passed"), ("solutions.02_ddp.ipynb::Cell 0", "failed")]
+    assert results_of(ROOT / "notebooks/08_pipeline_3d_lecture.ipynb", ROOT, results) == ["passed"]
     assert results_of(ROOT / "solutions/08_pipeline.ipynb", ROOT, results) == ["failed"]
-    assert results_of(ROOT / "notebooks/02_ddp.ipynb", ROOT, results) == ["passed"]
-    assert results_of(ROOT / "notebooks/05_zero3.ipynb", ROOT, results) == []      # "did not run"
+    assert results_of(ROOT / "notebooks/02_ddp_lecture.ipynb", ROOT, results) == ["passed"]
+    assert results_of(ROOT / "notebooks/05_zero3_lecture.ipynb", ROOT, results) == []      # "did not run"
 
 
 def test_a_timeout_ends_pytest_and_everything_it_started(tmp_path):
@@ -74,7 +74,7 @@ def test_smoke_dry_run_lists_every_step_and_runs_the_cpu_stand_ins(capsys, no_or
     for what in ("backend='nccl'", "CUDA context in the kernel: none", "LaunchStalled after",
                  "naming the op and its line: _hang_job", "pytest -m gpu tests/test_gpu.py",
                  "tests import and are marked gpu", "--backend nccl --only reduce_scatter --first-case",
-                 "notebooks/00_launching.ipynb notebooks/05_zero3.ipynb notebooks/08_pipeline_3d.ipynb"):
+                 "notebooks/00_launching_lecture.ipynb notebooks/05_zero3_lecture.ipynb notebooks/08_pipeline_3d_lecture.ipynb"):
         assert what in text, what
     assert lines[-1].startswith("summary: 5 passed, 0 failed, 0 skipped, 2 listed only in ")
     assert lines[-1].endswith("(nothing ran on a GPU)")

@@ -79,7 +79,7 @@ def test_suite_time_selects_the_chapters_asked_for():
         files = [*ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("solutions/*.ipynb"), *ROOT.glob("tests/test_ch*.py")]
         return {str(p.relative_to(ROOT)) for p in files if (suite_time._chapter(p.name) or 0) > n}
     later = after(6)
-    assert {"notebooks/07_tensor_parallel.ipynb", "solutions/08_pipeline.ipynb"} <= later
+    assert {"notebooks/07_tensor_parallel_lecture.ipynb", "solutions/08_pipeline.ipynb"} <= later
     assert ignored == later | {"tests/test_cluster.py"}
     labs = sorted(p.stem for p in ROOT.glob("labs/*.ipynb") if int(p.name[:2]) > 6)
     assert "07_tensor_parallel" in labs and args[args.index("-k") + 1] == " and ".join(f"not {s}" for s in labs)

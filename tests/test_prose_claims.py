@@ -49,7 +49,7 @@ def _prose(notebook: str) -> str:
 
 def test_01_s_star_figures_match_the_alpha_beta_figure():
     from distlab.theory.hardware import H100
-    nb = "notebooks/01_collectives.ipynb"
+    nb = "notebooks/01_collectives_lecture.ipynb"
     code = _source(_cell(nb, "alpha seconds per step (assumed)", "code"))
     nv = re.search(r"NVSwitch\": \((\d+), ([\d.e-]+), H100\.nvlink_GBps", code)
     ib = re.search(r"InfiniBand\": \((\d+), ([\d.e-]+), H100\.ib_GBps", code)
@@ -67,7 +67,7 @@ def test_01_s_star_figures_match_the_alpha_beta_figure():
 
 def test_03_zero_redundancy_optimizer_broadcasts_once_per_parameter_tensor():
     from distlab.course.models import build_model
-    nb = "notebooks/03_zero1.ipynb"
+    nb = "notebooks/03_zero1_lecture.ipynb"
     assert "one broadcast **per parameter tensor**" in _prose(nb)
     preset = re.search(r'PRESET = distlab\.pick\(quick="\w+", full="(\w+)"\)', _source(_cell(nb, "PRESET = ", "code")))
     out = _output(_cell(nb, "def torch_zero1", "code"))
@@ -86,22 +86,22 @@ def test_03_zero_redundancy_optimizer_broadcasts_once_per_parameter_tensor():
 # ---- lectures 05 and 06: the root unit and the all-gathers --------------------------------------------------
 
 def test_05_and_06_count_the_all_gathers_the_prose_explains():
-    n05 = _output(_cell("notebooks/05_zero3.ipynb", "3Psi*4(N-1)/N", "code"))
+    n05 = _output(_cell("notebooks/05_zero3_lecture.ipynb", "3Psi*4(N-1)/N", "code"))
     gathers = [int(c) for c in re.findall(r"all_gather [\d.]+ MB in (\d+) calls", n05)]
     scatters = [int(c) for c in re.findall(r"reduce_scatter [\d.]+ MB in (\d+) calls", n05)]
-    assert "2 × 5 all-gathers and 5 reduce-scatters for the 4 blocks and the root" in _prose("notebooks/05_zero3.ipynb")
+    assert "2 × 5 all-gathers and 5 reduce-scatters for the 4 blocks and the root" in _prose("notebooks/05_zero3_lecture.ipynb")
     assert gathers and set(gathers) == {10} and set(scatters) == {5}, (gathers, scatters)
-    n06 = _output(_cell("notebooks/06_fsdp.ipynb", "for name in (\"ZeRO-3 (fully_shard)\", \"ZeRO-3, bf16 policy\")",
+    n06 = _output(_cell("notebooks/06_fsdp_lecture.ipynb", "for name in (\"ZeRO-3 (fully_shard)\", \"ZeRO-3, bf16 policy\")",
                         "code"))
     default = re.search(r"ZeRO-3 \(fully_shard\)\s+all_gather: [\d,]+ B in (\d+) calls", n06)
     assert default and int(default[1]) == 10 - 1, n06              # FSDP2's default keeps the root gathered
-    assert "chapter 6 uses the default, and counts one all-gather fewer per step" in _prose("notebooks/05_zero3.ipynb")
+    assert "chapter 6 uses the default, and counts one all-gather fewer per step" in _prose("notebooks/05_zero3_lecture.ipynb")
 
 
 # ---- lecture 06: ZeRO-1's excess over its theory --------------------------------------------------------------
 
 def test_06_zero1_excess_is_four_psi_at_two_ranks():
-    nb = "notebooks/06_fsdp.ipynb"
+    nb = "notebooks/06_fsdp_lecture.ipynb"
     out = _output(_cell(nb, "wire = {n: meas[n][\"comm\"].total_bytes for n in STAGES}", "code"))
     got = {m[1].strip(): (int(m[2].replace(",", "")), int(m[3].replace(",", "")))
            for m in re.finditer(r"^(.+?)\s+([\d,]+) B measured\s+([\d,]+) B theory", out, re.M)}
@@ -115,7 +115,7 @@ def test_06_zero1_excess_is_four_psi_at_two_ranks():
 
 
 def test_06_zero_table_at_scale_matches_its_printed_figures():
-    nb = "notebooks/06_fsdp.ipynb"
+    nb = "notebooks/06_fsdp_lecture.ipynb"
     prose = _prose(nb)
     claim = re.search(r"needs 120 GB per device with DDP, ([\d.]+) with ZeRO-1, ([\d.]+) with ZeRO-2, ([\d.]+) with "
                       r"ZeRO-3", re.sub(r"\s+", " ", prose))
@@ -129,7 +129,7 @@ def test_06_zero_table_at_scale_matches_its_printed_figures():
 # ---- lecture 03: the toy ZeRO-1 step checked by hand ---------------------------------------------------------
 
 def test_03_four_steps_print_what_the_prose_checks_by_hand():
-    nb = "notebooks/03_zero1.ipynb"
+    nb = "notebooks/03_zero1_lecture.ipynb"
     out = _output(_cell(nb, "def four_steps(lr=0.1):", "code"))
     lines = re.findall(r"\[rank (\d)\] local grad \[([^]]*)\] -> my mean-grad shard \[([^]]*)\] -> weights \[([^]]*)\]", out)
     assert len(lines) == 4, out
@@ -144,7 +144,7 @@ def test_03_four_steps_print_what_the_prose_checks_by_hand():
 # ---- lecture 02: throughput at one example per rank ------------------------------------------------------------
 
 def test_02_one_example_per_rank_is_a_small_fraction_of_the_largest_batch():
-    nb = "notebooks/02_ddp.ipynb"
+    nb = "notebooks/02_ddp_lecture.ipynb"
     out = _output(_cell(nb, "samples/s relative to the largest b", "code"))
     ratios = {int(b): float(v) for b, v in re.findall(r"b=(\d+): ([\d.]+)x", out)}
     assert ratios and min(ratios) == 1 and ratios[max(ratios)] == 1.0, out
@@ -155,7 +155,7 @@ def test_02_one_example_per_rank_is_a_small_fraction_of_the_largest_batch():
 # ---- lecture 06: the table of the four stages -------------------------------------------------------------------
 
 def test_06_stage_table_reads_as_the_prose_says():
-    nb = "notebooks/06_fsdp.ipynb"
+    nb = "notebooks/06_fsdp_lecture.ipynb"
     out = _output(_cell(nb, "stage_table(meas, PREDICTED)", "code"))
     rows = {m[1].strip(): [float(v.replace(",", "")) for v in m.groups()[1:]] for m in re.finditer(
         r"^\| ([^|]+) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d,]+) \| ([\d.]+) \| ([\d.]+) \|", out, re.M)}
@@ -181,7 +181,7 @@ def test_06_stage_table_reads_as_the_prose_says():
 # ---- lecture 08: the offload bytes and the planner check ------------------------------------------------------
 
 def test_08_offload_moves_two_psi_each_way_and_the_planner_matches():
-    nb = "notebooks/08_pipeline_3d.ipynb"
+    nb = "notebooks/08_pipeline_3d_lecture.ipynb"
     assert "The transfer meter reads exactly 2Ψ down and 2Ψ up per step" in _prose(nb)
     out = _output(_cell(nb, "res = distlab.launch(offload_demo", "code"))
     row = re.search(r"\| offload \(measured\) \| [\d.]+ \| [\d.]+ \| ([^|]+) \| ([^|]+) \|", out)
@@ -194,7 +194,7 @@ def test_08_offload_moves_two_psi_each_way_and_the_planner_matches():
     assert "agree to within the padding of the flat ZeRO-1 buffer" in _prose(nb)
 
 
-@pytest.mark.parametrize("notebook", [f"notebooks/0{k}_{n}.ipynb" for k, n in
+@pytest.mark.parametrize("notebook", [f"notebooks/0{k}_{n}_lecture.ipynb" for k, n in
                                       ((1, "collectives"), (3, "zero1"), (5, "zero3"), (6, "fsdp"), (8, "pipeline_3d"))])
 def test_committed_outputs_are_there(notebook):
     # the ties above read outputs: a notebook committed without them would make every tie vacuous

@@ -27,21 +27,21 @@ from tqdm.auto import tqdm
 # Notebooks that record measurements, in curriculum order. Missing ones are skipped.
 TOUR_NOTEBOOKS = (
     "solutions/01_collectives.ipynb",
-    "notebooks/02_ddp.ipynb",
+    "notebooks/02_ddp_lecture.ipynb",
     "solutions/02_ddp.ipynb",
     "solutions/03_zero1.ipynb",
-    "notebooks/04_zero2.ipynb",
+    "notebooks/04_zero2_lecture.ipynb",
     "solutions/04_zero2.ipynb",
     "solutions/05_zero3.ipynb",
-    "notebooks/06_fsdp.ipynb",
+    "notebooks/06_fsdp_lecture.ipynb",
     "solutions/06_fsdp.ipynb",
-    "notebooks/07_tensor_parallel.ipynb",
+    "notebooks/07_tensor_parallel_lecture.ipynb",
     "solutions/07_tensor_parallel.ipynb",
-    "notebooks/08_pipeline_3d.ipynb",
+    "notebooks/08_pipeline_3d_lecture.ipynb",
     "solutions/08_pipeline.ipynb",
-    "notebooks/09_training.ipynb",
+    "notebooks/09_training_lecture.ipynb",
     "solutions/09_training.ipynb",
-    "notebooks/10_moe.ipynb",
+    "notebooks/10_moe_lecture.ipynb",
     "solutions/10_moe.ipynb",
 )
 

@@ -41,7 +41,7 @@ def _junit_id(book: Path, root: Path) -> str:
 
 def results_of(book: Path, root: Path, results: list[tuple[str, str]]) -> list[str]:
     """The statuses of `book`'s own cells: matched on its whole path, so solutions/08_pipeline is not
-    notebooks/08_pipeline_3d, and a lecture is not the solution of the same name."""
+    notebooks/08_pipeline_3d_lecture, and a lecture is not the solution of the same name."""
     mine = _junit_id(book, root) + "::"
     return [status for test, status in results if test.startswith(mine)]
 

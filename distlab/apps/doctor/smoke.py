@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-LECTURES = ("notebooks/00_launching.ipynb", "notebooks/05_zero3.ipynb", "notebooks/08_pipeline_3d.ipynb")
+LECTURES = ("notebooks/00_launching_lecture.ipynb", "notebooks/05_zero3_lecture.ipynb", "notebooks/08_pipeline_3d_lecture.ipynb")
 NEEDED = ("torch", "cloudpickle", "psutil", "pytest", "nbval", "nbclient", "nbformat", "ipykernel", "matplotlib")
 HANG_STALL_S = 3.0
 
