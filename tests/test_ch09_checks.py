@@ -87,22 +87,18 @@ def load_state(ckpt_dir, zero):
 '''
 
 
-def test_zero3_curve_and_resume_stubs_fail_solution_passes_wrong_answers_name_their_mistake(no_orphans):
-    """The PRELUDE's ZeRO3 (GradingZeRO3, lab 5's interface: what `distlab grade` runs) with the
-    solution's loop and checkpoint; the notebook's route (lab 5's class) is the solution notebook's run."""
+def test_zero3_curve_and_resume_stubs_fail_and_wrong_answers_name_their_mistake(no_orphans):
+    """The PRELUDE's ZeRO3 (GradingZeRO3, lab 5's interface: what `distlab grade` runs); the solution with the
+    notebook's route (lab 5's class) passes in the solution notebook's check cells."""
     stubs = answers(LAB, stub=True)
     for task in ("zero3_curve", "resume"):
         lines = _lines(run(LAB, task, stubs))
         assert all(line.startswith("FAIL") and "not implemented yet" in line for line in lines), lines
-    ns = answers(LAB)
-    curve = _lines(run(LAB, "zero3_curve", ns))
-    assert curve[0].startswith("PASS zero3_curve") and "largest |Δloss| vs one process" in curve[0], curve
+    # the solution's PASS lines are the solution notebook's check cells (nbval), not run again here
     local = _lines(run(LAB, "zero3_curve", answers(LAB, replace={"train_steps": LOCAL_LOSS})))
     assert local[0].startswith("FAIL") and "differ from rank 0's" in local[0] and "all_reduce" in local[0], local
     stale = _lines(run(LAB, "zero3_curve", answers(LAB, replace={"train_steps": NO_ZERO_GRAD})))
     assert stale[0].startswith("FAIL zero3_curve") and "step 2:" in stale[0] and "zero_grad" in stale[0], stale
-    resumed = run(LAB, "resume", ns)
-    assert [line.ok for line in resumed] == [True, True], _lines(resumed)
     moments = _lines(run(LAB, "resume", answers(LAB, replace={"load_state": WEIGHTS_ONLY})))
     assert moments[0].startswith("PASS") and moments[1].startswith("FAIL resume"), moments
     assert "step 3" in moments[1] and "optimizer's state" in moments[1], moments
