@@ -395,6 +395,9 @@ def test_each_lab_names_its_library_shortcuts_and_the_grader_finds_them_in_the_s
         "your answer cells use GradScaler: this lab asks you to write it yourself"]
     assert shortcuts.named("03_zero1", ["from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler"]) != []
     assert shortcuts.named("07_tensor_parallel", ["parallelize_module(m, mesh, plan)"]) != []
+    # lab 9's stand-in ZeRO-3 ships in the package: it answers none of the labs that build a ZeRO
+    assert shortcuts.named("05_zero3", ["from distlab.checks.ch09 import GradingZeRO3 as ZeRO3"]) == [
+        "your answer cells use GradingZeRO3: this lab asks you to write it yourself"]
     # a comment or a string is not a use; lab 6 is the FSDP lab; every solution names none of its own
     assert shortcuts.named("02_ddp", ["# unlike DistributedDataParallel\nx = 'DistributedDataParallel'"]) == []
     assert shortcuts.named("06_fsdp", ["fully_shard(model)"]) == []

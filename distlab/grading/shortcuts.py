@@ -33,15 +33,18 @@ TP = tuple(("torch.distributed.tensor.parallel.style", c, c) for c in (
 # Lab 03's loss scaler: torch's (FSDP2's sharded one is a subclass, so its construction runs GradScaler's too).
 SCALER = (("torch.amp.grad_scaler", "GradScaler", "GradScaler"),
           ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler", "ShardedGradScaler"))
+# Lab 09's stand-in ZeRO-3 (what `distlab grade` gives lab 9's loop): a ZeRO-3 the package ships, so not an answer
+# to the labs that build one.
+GRADING_ZERO3 = ("distlab.checks.ch09_zero3", "GradingZeRO3", "GradingZeRO3")
 PP = (("torch.distributed.pipelining.stage", "_PipelineStageBase", "PipelineStage"),
       ("torch.distributed.pipelining.schedules", "_PipelineSchedule", "ScheduleGPipe"))
 
 SHORTCUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "01_collectives": (),
     "02_ddp": (DDP, FSDP1, FSDP2, ZERO),
-    "03_zero1": (ZERO, FSDP1, FSDP2, *SCALER),
-    "04_zero2": (ZERO, FSDP1, FSDP2),
-    "05_zero3": (ZERO, FSDP1, FSDP2),
+    "03_zero1": (ZERO, FSDP1, FSDP2, *SCALER, GRADING_ZERO3),
+    "04_zero2": (ZERO, FSDP1, FSDP2, GRADING_ZERO3),
+    "05_zero3": (ZERO, FSDP1, FSDP2, GRADING_ZERO3),
     "06_fsdp": (),
     "07_tensor_parallel": TP,
     "08_pipeline": PP,
