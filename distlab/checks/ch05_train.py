@@ -128,19 +128,27 @@ def prefetch_exercise(case: Case, ZeRO3: Any, inputs: dict | None = None) -> dic
     zero.events = []
     for unit in zero.units:   # registered after ZeRO3's own pre-hook: runs once the unit is gathered
         unit.modules[0].register_forward_pre_hook(lambda m, a, i=unit.index: zero.events.append(("forward", i)))
-    log, stats = None, []
+    log: list = []
+    stats = _metered_steps(zero, n, r, inputs, "prefetch=True", after_first=lambda: log.extend(zero.events))
+    return {"params": full_params(model, zero.units), "events": log, "comm": stats,
+            "padded": [u.padded for u in zero.units]}
+
+
+def _metered_steps(zero: Any, n: int, r: int, inputs: dict | None, what: str, after_first: Any = None) -> list:
+    """STEPS training steps of `zero` on this rank's batches; each step's traffic (forward and backward), metered.
+    `after_first`: called once step 0 is done."""
+    stats = []
     for step in range(STEPS):
-        distlab.engine.runtime.progress(f"prefetch=True, {n} ranks, step {step}")
+        distlab.engine.runtime.progress(f"{what}, {n} ranks, step {step}")
         x, y = _my_batch(step, n, r, inputs)
         with track_comm() as comm:
             lm_loss(zero, x, y).backward()
         zero.optimizer.step()
         zero.optimizer.zero_grad(set_to_none=True)
         stats.append(comm.stats())          # every step whose values count
-        if step == 0:
-            log = list(zero.events)
-    return {"params": full_params(model, zero.units), "events": log, "comm": stats,
-            "padded": [u.padded for u in zero.units]}
+        if step == 0 and after_first is not None:
+            after_first()
+    return stats
 
 
 def prefetch_reference(case: Case, inputs: list | None = None) -> dict:
@@ -187,15 +195,7 @@ def bf16_exercise(case: Case, ZeRO3: Any, inputs: dict | None = None) -> dict:
     n, r = case.world_size, distlab.rank()
     model = build_model(PRESET)
     zero = ZeRO3(model, optimizer=make_opt, gather_dtype=torch.bfloat16)
-    stats = []
-    for step in range(STEPS):
-        distlab.engine.runtime.progress(f"gather_dtype=bfloat16, {n} ranks, step {step}")
-        x, y = _my_batch(step, n, r, inputs)
-        with track_comm() as comm:
-            lm_loss(zero, x, y).backward()
-        zero.optimizer.step()
-        zero.optimizer.zero_grad(set_to_none=True)
-        stats.append(comm.stats())          # every step whose values count
+    stats = _metered_steps(zero, n, r, inputs, "gather_dtype=bfloat16")
     return {"params": full_params(model, zero.units), "comm": stats, "padded": [u.padded for u in zero.units],
             "shard_dtypes": sorted({str(u.shard.dtype) for u in zero.units})}
 
