@@ -43,6 +43,10 @@ def test_doctor_reports_and_runs(capsys, no_orphans):
     assert "gloo: world sizes 1.." in out.out
     assert "gloo x2: all-reduce ok; memory meter 4194304 B for a 4194304 B tensor" in out.out
     assert out.out.strip().endswith("healthy")
+    # chapter 7's DTensor facts, measured on 4 gloo ranks: each layout change runs the collective theory says
+    assert ("works  DTensor redistribute (all-gather, all-reduce, reduce-scatter, all-to-all): Shard->Replicate "
+            "all_gather; Partial->Replicate all_reduce; Partial->Shard reduce_scatter") in out.out
+    assert "works  FSDP2 x TP on a 2 x 2 mesh: max |Δ| vs one process" in out.out
 
 
 def test_labs_check_cli_agrees_with_the_tree(capsys):

@@ -69,7 +69,18 @@ def run_checks(info: dict[str, Any]) -> list[str]:
         print(f"  {backend} x{n}: all-reduce {'ok' if not bad else 'WRONG'}; memory meter "
               f"{results[0]['meter_bytes']} B for a {results[0]['expected_bytes']} B tensor"
               + (f" (CUDA allocator holds {results[0]['allocator_bytes']} B)" if "allocator_bytes" in results[0] else ""))
+    if info["gloo_available"]:
+        dtensor_features()
     return problems
+
+
+def dtensor_features(n: int = 4) -> None:
+    """Print what DTensor and the parallel styles do on gloo (CPU ranks): a finding per feature, not a problem."""
+    from distlab.apps.doctor.dtensor import probe
+    from distlab.engine.launch import run_on_ranks
+    print(f"DTensor features on gloo x{n} (chapter 7; a feature that fails here is a fact about this torch build):")
+    for name, (ok, detail) in run_on_ranks(probe, n, backend="gloo", timeout=180)[0].items():
+        print(f"  {'works' if ok else 'FAILS'}  {name}: {detail}")
 
 
 def doctor(run: bool = False) -> int:

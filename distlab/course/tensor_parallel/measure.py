@@ -8,8 +8,6 @@ on the chapter's model (`distlab.course.tensor_parallel.model`), builds the mode
 returns raw measurements; the notebook compares them with the closed forms of
 `distlab.theory.tensor_parallel` and writes the records:
 
-    acts = distlab.launch(zero3_activations, 4, args=(points, 256), kwargs=dict(d_model=64, n_heads=8,
-                          n_layers=2, dtype=torch.float32))[0]   # bytes kept for backward under ZeRO-3
     run = distlab.launch(tp_model_run, 4, args=(parallelize, "tp-medium", 8, 5, 15, 30))[0]   # the lecture's TP
     ref = distlab.launch(one_process_losses, 1, args=("tp-medium", 8, 5))[0]     # the same, one process
 
@@ -29,41 +27,9 @@ import torch
 from distlab.bench.race import race
 from distlab.course.models import lm_loss, synthetic_batch
 from distlab.course.tensor_parallel.model import (TP_PRESETS, TPConfig, build_stack, build_tp_model,
-                                                  set_recompute, track_comm_by_group)
+                                                  track_comm_by_group)
 from distlab.engine import runtime as rt
 from distlab.meters import model_state, track_comm, track_memory
-
-
-# ---- section 1: activations under ZeRO-3 ----------------------------------------------------------------
-
-def zero3_activations(points: Sequence[tuple[int, int, str]], smax: int, *, d_model: int, n_heads: int,
-                      n_layers: int, dtype: torch.dtype, dropout: float = 0.1) -> list[dict[str, Any]]:
-    """Bytes a stack of blocks under `fully_shard` (ZeRO-3) keeps for backward, per (S, B, recompute) point.
-
-    `points`: (sequence length S, rows per rank B, recompute mode "none" / "selective" / "full");
-    `smax`: the longest S (the causal masks' size). Measured: the bytes still allocated right after
-    forward (`kept`). Crosses the wire: FSDP2's all-gathers and reduce-scatters of the weights,
-    which the measurement does not count.
-    """
-    from torch.distributed.fsdp import fully_shard
-    dev = rt.device()
-    cfg = TPConfig(seq_len=smax, d_model=d_model, n_heads=n_heads, n_layers=n_layers, dropout=dropout)
-    model = build_stack(cfg, seed=0, dtype=dtype)
-    for block in model.blocks:
-        fully_shard(block, mesh=rt.mesh())
-    fully_shard(model, mesh=rt.mesh())
-    out = []
-    for i, (s, b, mode) in enumerate(points):
-        set_recompute(model, mode)
-        x = torch.randn(b, s, d_model, device=dev, dtype=dtype, requires_grad=True)
-        if i == 0:
-            model(x).sum().backward()                   # warm-up: FSDP2's lazy initialisation, the allocator
-        with track_memory() as mem:
-            y = model(x)
-            kept = mem.current_bytes                    # what forward left for backward
-            y.sum().backward()
-        out.append(dict(s=s, b=b, mode=mode, kept=kept))
-    return out
 
 
 # ---- section 2: tensor parallelism with PyTorch's parallel styles --------------------------------------

@@ -1,11 +1,13 @@
-"""What DTensor and `torch.distributed.tensor.parallel` do on this machine's backend: measured, not assumed.
+"""`distlab doctor --run`: what DTensor and `torch.distributed.tensor.parallel` do on this machine's backend.
 
-    from distlab.course.tensor_parallel.dtensor_probe import probe
+    from distlab.apps.doctor.dtensor import probe
     for name, (ok, detail) in distlab.launch(probe, 4)[0].items(): ...
 
-Each probe runs one feature on real ranks and compares it with a single-process
-result; an exception becomes ("fails", its first line). Chapter 7 prints the
-table, so what it says about gloo on CPU is what this torch build does.
+Each probe runs one feature chapter 7 relies on, on real ranks, and compares it with
+a single-process result; an exception becomes (False, its first line). Most of
+PyTorch's tensor parallelism was written for GPUs: this says what this torch build
+does on gloo (CPU ranks), so a learner knows before chapter 7. Chapter 7's lecture
+shows the layout changes and `context_parallel` itself, in its own cells.
 Needs 4 ranks (the 2-D probe uses a 2 x 2 mesh); the 1-D probes use every rank.
 """
 from __future__ import annotations
