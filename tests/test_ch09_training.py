@@ -71,7 +71,11 @@ def test_bad_strategy_and_world_size_are_refused():
         check_strategy("dp_tp", 3)
     with pytest.raises(ValueError, match="divides 2"):
         check_strategy("tp", 4, n_heads=2)
+    with pytest.raises(ValueError, match="3 ranks would leave 1 stage"):
+        check_strategy("pp", 3, n_layers=2)
+    check_strategy("pp", 2, n_layers=2)
     assert data_ranks("dp_tp", 4, 3) == (1, 2) and data_ranks("tp", 2, 1) == (0, 1) and data_ranks("ddp", 2, 1) == (1, 2)
+    assert data_ranks("pp", 2, 1) == (0, 1)          # every stage is fed the whole batch
 
 
 def test_one_process_resumes_bit_exact_and_refuses_a_foreign_checkpoint(tmp_path):
@@ -130,3 +134,27 @@ def test_the_labs_zero3_saves_a_file_per_rank_and_resumes_bit_exact(tmp_path, no
     shutil.rmtree(tmp_path / "step_000004")                     # resume from step 2
     resumed = run_on_ranks(train, 2, args=(TrainConfig(resume=True, **cfg), classes))[0]
     assert resumed.resumed_from == 2 and resumed.loss == full.loss
+
+
+def test_pipeline_is_one_process_accumulating_its_microbatches_and_resumes_at_another_world_size(tmp_path, no_orphans):
+    """pp on 2 ranks (Schedule1F1B, 4 micro-batches) logs on every rank the loss one process gets accumulating
+    the same 4 micro-batches, bit for bit (the same additions; 1/4 is exact); its DCP checkpoint, keyed by the
+    whole model's names, resumes on 1 rank and continues the curve bit for bit. A pp checkpoint is refused by
+    the other strategies (their optimizer state is keyed differently)."""
+    from distlab.course.training import foreign
+    from distlab.engine.launch import run_on_ranks
+    torch.set_num_threads(1)
+    cfg = dict(steps=4, accumulate=4, eval_every=2, eval_batches=1, **TINY)
+    accumulated = train(TrainConfig(**cfg))
+    plain = train(TrainConfig(**{**cfg, "accumulate": 1}))
+    ranks = run_on_ranks(train, 2, args=(TrainConfig(strategy="pp", ckpt_dir=str(tmp_path), ckpt_every=2, **cfg),))
+    assert ranks[0].loss == ranks[1].loss == accumulated.loss and ranks[0].val == ranks[1].val
+    assert max(abs(a - b) for a, b in zip(ranks[0].loss, plain.loss)) < 1e-5      # one batch: rounding only
+    assert max(abs(a[1] - b[1]) for a, b in zip(ranks[0].val, plain.val)) < 1e-5
+    import shutil
+    shutil.rmtree(tmp_path / "step_000004")
+    resumed = run_on_ranks(train, 1, args=(TrainConfig(strategy="pp", ckpt_dir=str(tmp_path), resume=True, **cfg),))[0]
+    assert resumed.resumed_from == 2 and resumed.loss == ranks[0].loss
+    meta = ckpt.read_meta(tmp_path / "step_000002")
+    mine = {k: meta[k] for k in ("model", "corpus", "data")}
+    assert foreign(meta, mine, "pp") is None and "saved by strategy 'pp'" in foreign(meta, mine, "fsdp2")

@@ -4,6 +4,7 @@
     distlab train --strategy fsdp2 --world-size 2 --steps 300 --out run/ --resume     # continues run/ on 2 ranks
     distlab train --strategy zero3 --world-size 2 --notebook labs/05_zero3.ipynb --out mine/   # your ZeRO-3
     distlab train --strategy dp_tp --world-size 4 --steps 300 --out run/ --resume     # run/ on a 2 x 2 mesh
+    distlab train --strategy pp --world-size 2 --accumulate 4 --out pp/               # 2 stages, 4 micro-batches
     torchrun --nproc-per-node 4 -m distlab.apps.train --strategy fsdp2 --out run/      # under torchrun
 
 Writes to `--out`: `checkpoints/step_NNNNNN/` (torch.distributed.checkpoint, written to a hidden folder and
@@ -47,7 +48,7 @@ def _arguments(t: argparse.ArgumentParser, strategies: tuple[str, ...]) -> None:
     t.add_argument("--eval-every", type=int, default=25, help="validation loss every k steps (default 25)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--max-bytes", type=int, default=None, help="read only the first files, up to this many bytes")
-    t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (gradient accumulation; under pp the pipeline schedule's micro-batches)")
     t.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
     t.add_argument("--notebook", type=Path, default=None,
                    help="zero1/2/3: your lab notebook with the class (default: the shipped solution)")
@@ -69,7 +70,7 @@ def validate(args: argparse.Namespace) -> str | None:
     cfg = config(args)
     try:
         check_strategy(args.strategy, args.world_size, {"ShardedOptimizer": 0, "ZeRO2": 0, "ZeRO3": 0}, tp=cfg.tp,
-                       n_heads=cfg.n_heads)
+                       n_heads=cfg.n_heads, n_layers=cfg.n_layers)
     except ValueError as exc:
         return str(exc)
     dp = data_ranks(args.strategy, args.world_size, 0, cfg.tp)[1]      # the ranks that split the batch
@@ -83,7 +84,7 @@ def validate(args: argparse.Namespace) -> str | None:
         if path is None:
             return f"--resume: no complete checkpoint in {cfg.ckpt_dir}"
         from distlab.course.training import corpus
-        why = foreign(ckpt.read_meta(path), _identity(cfg, corpus(cfg.max_bytes).fingerprint))
+        why = foreign(ckpt.read_meta(path), _identity(cfg, corpus(cfg.max_bytes).fingerprint), cfg.strategy)
         if why:
             return f"--resume: {path} cannot be continued by this run: {why}"
     return None

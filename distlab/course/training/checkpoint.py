@@ -16,6 +16,12 @@ shards are plain tensors that every rank names alike, and DCP would keep one cop
 own `state_dict()` and its optimizer's with `torch.save` (`rank{r}.pt`), and loads them back at the same world
 size (resharding flat shards by hand is lab 9's `load_shard`).
 
+A pipeline (strategy `pp`) saves through DCP too, under the whole model's names (`Pipeline.named`) and with
+AdamW's state flattened per parameter (`StateDictOptions(flatten_optimizer_state_dict=True)`, as torchtitan
+does for its pipeline stages): every key then names one parameter of the whole model, held by whichever
+stage has it, so a pp checkpoint loads at another world size (another split of the blocks). The other
+strategies keep the default layout; the loop refuses to cross between the two (`loop.foreign`).
+
 A checkpoint is first written to `.step_000040.tmp/` and renamed to `step_000040/` only after every rank has
 finished writing (a barrier, then rank 0's `os.replace`, atomic on one file system): a rank killed during
 a save leaves only a hidden folder that `latest` never picks.
@@ -87,6 +93,17 @@ def _per_rank(module: torch.nn.Module) -> bool:
     return isinstance(module, ShardedModule)
 
 
+def _state_dict_args(module: Any) -> tuple[torch.nn.Module, Any]:
+    """(the module DCP's state-dict helpers see, their options): a pipeline's stage under the whole model's
+    names with its optimizer state flattened per parameter; any other module as it is, default options."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from distlab.course.training.pp import Pipeline
+    if isinstance(module, Pipeline):
+        return module.named, StateDictOptions(flatten_optimizer_state_dict=True)
+    return module, None
+
+
 def _barrier() -> None:
     if _dist():
         dist.barrier()
@@ -124,7 +141,8 @@ def save(ckpt_dir: str | Path, step: int, module: torch.nn.Module, optimizer: to
             tmp.mkdir(parents=True, exist_ok=True)
             torch.save({"model": module.state_dict(), "optim": optimizer.state_dict()}, tmp / f"rank{_rank()}.pt")
         else:
-            model_sd, optim_sd = get_state_dict(module, optimizer)
+            named, options = _state_dict_args(module)
+            model_sd, optim_sd = get_state_dict(named, optimizer, options=options)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if _dist():
             rngs = [None] * dist.get_world_size()
@@ -163,11 +181,13 @@ def load(path: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optim
         module.load_state_dict(state["model"])          # refuses another rank's or world size's layout
         optimizer.load_state_dict(state["optim"])
     else:
-        model_sd, optim_sd = get_state_dict(module, optimizer)
+        named, options = _state_dict_args(module)
+        model_sd, optim_sd = get_state_dict(named, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         with _unaudited(), _one_process_quietly():
             dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(named, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     meta = read_meta(path)
     rngs = meta["rng"]
     set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])

@@ -9,10 +9,12 @@ B windows of T tokens from the stdlib corpus (`ShardedLoader`), and trains with 
 The loss logged is the global batch's: each rank's mean over its rows, averaged over ranks (one all-reduce
 of a scalar per step; equal rows per rank make it the mean over all B·T tokens). Under `tp` and `dp_tp` the
 ranks of one tensor-parallel group read the same rows and log the same loss, so the mean is unchanged.
-`step_fn` (default `training_step`) is the step itself: the lecture passes its own, the same code.
+Under `pp` only the last stage has a loss: it broadcasts it (one scalar from rank p - 1).
+`step_fn` (default `training_step`, `pipeline_step` under `pp`) is the step itself: the lecture passes its
+own, the same code.
 
 Switches: `accumulate=k` splits each rank's rows into k micro-batches and communicates only in the last
-backward (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`); `recompute=True` recomputes each block's
+backward (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`; under `pp` they are the schedule's m); `recompute=True` recomputes each block's
 activations in backward (`torch.utils.checkpoint`); `resume=True`
 continues from the newest complete checkpoint in `ckpt_dir`, at this run's world size and strategy;
 `profile_dir` writes a `torch.profiler` Chrome trace per rank of two steps.
@@ -36,6 +38,7 @@ from distlab.course.models import GPTConfig, build_model, lm_loss
 from distlab.course.training import checkpoint as ckpt
 from distlab.course.training.corpus import VOCAB, corpus
 from distlab.course.training.loader import ShardedLoader, validation_rows, windows
+from distlab.course.training.pp import Pipeline, pipeline_eval, pipeline_loss, pipeline_step
 from distlab.course.training.strategies import data_ranks, recompute_blocks, wrap
 
 
@@ -96,15 +99,22 @@ def _mean_over_ranks(x: torch.Tensor) -> float:
     return float(x)
 
 
+def _global_loss(module: Any, value: torch.Tensor) -> float:
+    """The global batch's loss from this rank's: a pipeline's last stage broadcasts it, the others average."""
+    return pipeline_loss(value) if isinstance(module, Pipeline) else _mean_over_ranks(value)
+
+
 def _validate(module: Any, tokens: torch.Tensor, cfg: TrainConfig, rank: int, n: int, device: Any) -> float:
-    """The validation loss: rank `rank` of `n` data-parallel ranks evaluates its rows of fixed batches."""
+    """The validation loss: rank `rank` of `n` data-parallel ranks evaluates its rows of fixed batches
+    (a pipeline runs them forward only through its stages, in its m micro-batches)."""
     per = cfg.batch_size // n
     total = torch.zeros((), device=device)
     with torch.no_grad():
         for ids in validation_rows((tokens.numel() - 1) // cfg.seq_len, cfg.eval_batches, cfg.batch_size):
             x, y = windows(tokens, ids[rank * per:(rank + 1) * per], cfg.seq_len)
-            total += lm_loss(module, x.to(device), y.to(device)).detach()
-    return _mean_over_ranks(total / cfg.eval_batches)
+            x, y = x.to(device), y.to(device)
+            total += (pipeline_eval(module, x, y) if isinstance(module, Pipeline) else lm_loss(module, x, y)).detach()
+    return _global_loss(module, total / cfg.eval_batches)
 
 
 def _identity(cfg: TrainConfig, fingerprint: str) -> dict[str, Any]:
@@ -113,11 +123,18 @@ def _identity(cfg: TrainConfig, fingerprint: str) -> dict[str, Any]:
             "data": {"batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "seed": cfg.seed}}
 
 
-def foreign(meta: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    """Why a checkpoint cannot be resumed by this run (None: it can)."""
+def foreign(meta: dict[str, Any], mine: dict[str, Any], strategy: str | None = None) -> str | None:
+    """Why a checkpoint cannot be resumed by this run (None: it can). With `strategy`, also refuse to cross
+    between a pipeline's checkpoint and the others' (DCP keys their optimizer states differently)."""
     for key, what in (("model", "a model of another shape"), ("corpus", "another corpus"), ("data", "other data settings")):
         if meta.get(key) != mine[key]:
             return f"it holds {what} ({key}: {meta.get(key)} here {mine[key]})"
+    saved = meta.get("strategy")
+    if strategy is not None and saved is not None and (saved == "pp") != (strategy == "pp"):
+        return (f"it was saved by strategy {saved!r} and this run is {strategy!r}: a pp checkpoint keeps AdamW's "
+                "state per parameter (flattened), the other strategies per optimizer, and the two do not load into "
+                "each other. Resume a pp checkpoint with pp (at any world size the model splits over), the others "
+                "with any strategy but pp")
     return None
 
 
@@ -140,14 +157,15 @@ def training_step(module: Any, opt: Any, sync_grads: Any, x: torch.Tensor, y: to
 def train(cfg: TrainConfig, classes: dict[str, Any] | None = None, step_fn: Any = None) -> Run:
     """Train on every rank (or in one process); see the module's docstring. `step_fn(module, opt,
     sync_grads, x, y, accumulate)` runs one step and returns the rank's loss (default `training_step`)."""
-    step_fn = training_step if step_fn is None else step_fn
+    if step_fn is None:
+        step_fn = pipeline_step if cfg.strategy == "pp" else training_step
     from distlab.engine import runtime as rt
     from distlab.meters.timing import sync
     n, r, device = rt.world_size(), rt.rank(), rt.device()
     text = corpus(cfg.max_bytes)
     mine = _identity(cfg, text.fingerprint)
     path = ckpt.latest(cfg.ckpt_dir) if cfg.resume and cfg.ckpt_dir else None
-    if path is not None and (why := foreign(ckpt.read_meta(path), mine)):
+    if path is not None and (why := foreign(ckpt.read_meta(path), mine, cfg.strategy)):
         raise ValueError(f"cannot resume from {path}: {why}. Use another --out folder, or the same settings")
     dp_rank, dp = data_ranks(cfg.strategy, n, r, cfg.tp)     # tensor-parallel ranks read the same rows
     if cfg.accumulate < 1 or (cfg.batch_size // dp) % cfg.accumulate:
@@ -155,7 +173,8 @@ def train(cfg: TrainConfig, classes: dict[str, Any] | None = None, step_fn: Any 
     model = build_model(cfg.model_config(), seed=cfg.seed, device=device)
     if cfg.recompute:
         recompute_blocks(model)
-    module, opt, sync_grads = wrap(cfg.strategy, model, lr=cfg.lr, classes=classes, tp=cfg.tp)
+    module, opt, sync_grads = wrap(cfg.strategy, model, lr=cfg.lr, classes=classes, tp=cfg.tp,
+                                   microbatches=cfg.accumulate)
     if cfg.accumulate > 1 and sync_grads is None:
         raise ValueError(f"strategy {cfg.strategy!r} cannot skip its gradient reduction: use accumulate=1")
     loader = ShardedLoader(text.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=dp_rank, world_size=dp,
@@ -178,7 +197,7 @@ def train(cfg: TrainConfig, classes: dict[str, Any] | None = None, step_fn: Any 
         sync(device)
         run.step_s.append(time.perf_counter() - start)
         run.steps.append(step)
-        run.loss.append(_mean_over_ranks(total))
+        run.loss.append(_global_loss(module, total))
         if prof is not None:
             prof.step()
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):

@@ -7,7 +7,9 @@
 (chapter 6); `zero1`, `zero2`, `zero3` the labs' `ShardedOptimizer`, `ZeRO2`, `ZeRO3` (chapters 3-5), passed
 in `classes` (from a learner's notebook or the solutions: `distlab.apps.simulate.lab_class`); `tp` PyTorch's
 tensor parallelism (`parallelize_module`, chapter 7) over every rank; `dp_tp` a 2-D DeviceMesh (dp x tp):
-`parallelize_module` over "tp", then `fully_shard` over "dp". Under `tp` every rank reads the whole batch;
+`parallelize_module` over "tp", then `fully_shard` over "dp"; `pp` one pipeline stage per rank with
+`torch.distributed.pipelining` (chapter 8's split, `Schedule1F1B` over `microbatches`: see `pp`).
+Under `tp` and `pp` every rank reads the whole batch;
 under `dp_tp` the ranks of one tp group read the same rows (`data_ranks`). All train fp32
 weights with AdamW (lr, betas, weight decay the same everywhere), so every data-parallel strategy computes
 the same update as one process up to the order of floating-point additions.
@@ -23,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "tp", "dp_tp")
+STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "tp", "dp_tp", "pp")
 NEEDS_CLASS = {"zero1": ("03_zero1", "ShardedOptimizer"), "zero2": ("04_zero2", "ZeRO2"),
                "zero3": ("05_zero3", "ZeRO3")}
 BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
@@ -37,12 +39,14 @@ def tp_size(name: str, world_size: int, tp: int = 2) -> int:
 def data_ranks(name: str, world_size: int, rank: int, tp: int = 2) -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size): the loader's `rank` and `world_size`.
     The 2-D mesh is row-major, rank = dp_rank * tp + tp_rank, so the ranks of one tp group are neighbours."""
+    if name == "pp":
+        return 0, 1                     # one pipeline: every stage is fed the same global batch
     t = tp_size(name, world_size, tp)
     return rank // t, world_size // t
 
 
 def check_strategy(name: str, world_size: int, classes: dict[str, Any] | None = None, *, tp: int = 2,
-                   n_heads: int | None = None) -> None:
+                   n_heads: int | None = None, n_layers: int | None = None) -> None:
     """Raise ValueError, in a learner's words, unless `name` can run on `world_size` ranks."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
@@ -53,6 +57,10 @@ def check_strategy(name: str, world_size: int, classes: dict[str, Any] | None = 
     if name == "dp_tp" and (tp < 1 or world_size % tp):
         raise ValueError(f"strategy 'dp_tp' lays {world_size} ranks out as dp x tp with tp = {tp}: use a world size "
                          f"that is a multiple of {tp} (or another tp)")
+    if name == "pp" and n_layers is not None and world_size > n_layers:
+        raise ValueError(f"strategy 'pp' cuts the model's {n_layers} blocks into one stage per rank: {world_size} "
+                         f"ranks would leave {world_size - n_layers} stage(s) without a block. Use at most "
+                         f"{n_layers} ranks, or a model with at least {world_size} layers (n_layers)")
     t = tp_size(name, world_size, tp)
     if n_heads is not None and n_heads % t:
         raise ValueError(f"strategy {name!r} splits each layer's {n_heads} attention heads over {t} ranks: use a "
@@ -67,12 +75,13 @@ def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
 
 
-def wrap(name: str, model: nn.Module, *, lr: float, classes: dict[str, Any] | None = None, tp: int = 2
-         ) -> tuple[nn.Module, Any, Callable[[bool], Any] | None]:
-    """(what forward runs, what `step()` / `zero_grad()` are called on, the gradient-sync switch)."""
+def wrap(name: str, model: nn.Module, *, lr: float, classes: dict[str, Any] | None = None, tp: int = 2,
+         microbatches: int = 1) -> tuple[nn.Module, Any, Callable[[bool], Any] | None]:
+    """(what forward runs, what `step()` / `zero_grad()` are called on, the gradient-sync switch).
+    Under `pp` the first is a `Pipeline` (its step is `pp.pipeline_step`), over `microbatches`."""
     import torch.distributed as dist
     n = dist.get_world_size() if dist.is_initialized() else 1
-    check_strategy(name, n, classes, tp=tp, n_heads=model.config.n_heads)
+    check_strategy(name, n, classes, tp=tp, n_heads=model.config.n_heads, n_layers=model.config.n_layers)
     if name == "single":
         return model, adamw(model.parameters(), lr), lambda on: None
     if name == "ddp":
@@ -100,6 +109,10 @@ def wrap(name: str, model: nn.Module, *, lr: float, classes: dict[str, Any] | No
         from distlab.engine.runtime import mesh
         tensor_parallel_blocks(model, mesh())
         return model, adamw(model.parameters(), lr), lambda on: None   # nothing to skip: no gradient reduction
+    if name == "pp":
+        from distlab.course.training.pp import pipeline_parallel
+        pipe = pipeline_parallel(model, microbatches)       # no gradient reduction: each rank owns its stage
+        return pipe, adamw(pipe.parameters(), lr), lambda on: None   # type: ignore[return-value]
     if name == "dp_tp":
         from torch.distributed.fsdp import fully_shard
         from distlab.engine.runtime import mesh
