@@ -158,3 +158,31 @@ def test_pipeline_is_one_process_accumulating_its_microbatches_and_resumes_at_an
     meta = ckpt.read_meta(tmp_path / "step_000002")
     mine = {k: meta[k] for k in ("model", "corpus", "data")}
     assert foreign(meta, mine, "pp") is None and "saved by strategy 'pp'" in foreign(meta, mine, "fsdp2")
+
+
+def test_throughput_is_a_ratio_on_a_cpu_and_gives_mfu_on_a_known_gpu():
+    """The GPU branch's arithmetic, checked on the CPU: FLOPs per token from the model's own matrices, MFU
+    against the GPU's bf16 peak, per-GPU tokens/s; a CPU run prints only the ratio to one process."""
+    from types import SimpleNamespace
+
+    from distlab.course.models import build_model
+    from distlab.course.training.throughput import flops_per_token, gpu_peak_flops, matmul_params, mfu, throughput_line
+    config = TrainConfig(**TINY).model_config()
+    model = build_model(config, device="cpu")
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert matmul_params(config) == sum(w.numel() for w in weights)          # blocks' matrices and the head
+    L, d, T = config.n_layers, config.d_model, config.seq_len
+    assert flops_per_token(config) == 6 * matmul_params(config) + 12 * L * d * T
+    assert mfu(2e6, 3e9, 4, 1e15) == pytest.approx(2e6 * 3e9 / 4e15)
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and gpu_peak_flops("Tesla T4") is None
+    with pytest.raises(ValueError, match="at least one GPU"):
+        mfu(1.0, 1.0, 0, 1e12)
+    single = SimpleNamespace(tokens_per_s=1000.0, world_size=1, device="cpu", device_name="")
+    cpu = SimpleNamespace(tokens_per_s=1500.0, world_size=2, device="cpu", device_name="")
+    assert throughput_line(cpu, single, config) == "tokens/s = 1.50 x one process"
+    gpu = SimpleNamespace(tokens_per_s=4e6, world_size=2, device="cuda", device_name="NVIDIA H100 80GB HBM3")
+    expected = 4e6 * flops_per_token(config) / (2 * 989e12)
+    assert throughput_line(gpu, single, config) == (f"tokens/s = 4000.00 x one process; 2,000,000 tokens/s per GPU, "
+                                                    f"MFU {expected:.1%} of the bf16 peak")
+    other = SimpleNamespace(**{**vars(gpu), "device_name": "Tesla T4"})
+    assert "peak of 'Tesla T4' unknown" in throughput_line(other, single, config)

@@ -173,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
     val = f", validation {result.val[-1][1]:.3f}" if result.val else ""
     print(f"loss {result.loss[0]:.3f} -> {result.loss[-1]:.3f}{val} in {time.perf_counter() - start:.0f} s, "
           f"{result.tokens_per_s:,.0f} tokens/s; {png}, {args.out / 'loss.json'}, checkpoints in {cfg.ckpt_dir}")
+    from distlab.course.training.throughput import flops_per_token, gpu_peak_flops, mfu
+    peak = gpu_peak_flops(result.device_name) if result.device == "cuda" else None
+    if peak:       # on GPUs the course knows: the model's FLOPs per token against the bf16 peak
+        print(f"MFU {mfu(result.tokens_per_s, flops_per_token(cfg.model_config()), result.world_size, peak):.1%} "
+              f"of {result.world_size} x {result.device_name}'s bf16 peak")
     return 0
 
 

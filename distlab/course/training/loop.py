@@ -83,6 +83,8 @@ class Run:
     tokens_per_step: int = 0
     resumed_from: int | None = None
     corpus: str = ""
+    device: str = "cpu"           # the ranks' device type ("cuda" on GPUs) and, on GPUs, its name (for MFU)
+    device_name: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -179,7 +181,8 @@ def train(cfg: TrainConfig, classes: dict[str, Any] | None = None, step_fn: Any 
         raise ValueError(f"strategy {cfg.strategy!r} cannot skip its gradient reduction: use accumulate=1")
     loader = ShardedLoader(text.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=dp_rank, world_size=dp,
                            seed=cfg.seed, device=device)
-    run = Run(cfg.strategy, n, tokens_per_step=cfg.batch_size * cfg.seq_len, corpus=text.fingerprint)
+    run = Run(cfg.strategy, n, tokens_per_step=cfg.batch_size * cfg.seq_len, corpus=text.fingerprint,
+              device=device.type, device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     if path is not None:
         meta = ckpt.load(path, module, opt)
         loader.load_state_dict(meta["loader"])
