@@ -1,4 +1,4 @@
-"""`distlab grade`, the parts that need no ranks: channel, safe unpickling, booking, evidence, lab and
+"""`distlab grade`, the parts that need no ranks: the runner's records, safe unpickling, booking, evidence, lab and
 submission reading, the sandbox's command line, reports, and the audit hook (in a child process: a hook
 cannot be removed, so never in the test process)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import nbformat
 import pytest
 import torch
 
-from distlab.grading import channel, evidence, resultcheck, sandbox, seccomp, submission, wire
+from distlab.grading import evidence, resultcheck, sandbox, seccomp, submission, wire
 from distlab.grading.grade import Result, Verdict, summarize
 from distlab.grading.lab import grade_calls, load_lab
 from distlab.grading.pgmeter import OP_KINDS, algorithmic_bytes_booker
@@ -28,19 +28,14 @@ from distlab.meters.comm import CommStats
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---------------------------------------------------------------- channel and safe unpickling
+# ---------------------------------------------------------------- the runner's records and safe unpickling
 
-def test_channel_refuses_forged_replayed_and_truncated_records():
-    key = channel.new_key()
-    good = channel.seal(key, 0, b"one") + channel.seal(key, 1, b"two")
-    assert channel.read_records(good, key).records == [b"one", b"two"]
-    forged = good + channel.seal(channel.new_key(), 2, b"PASS everything")
-    got = channel.read_records(forged, key)
-    assert got.records == [b"one", b"two"] and "does not verify" in got.problem
-    replayed = good + channel.seal(key, 1, b"two")
-    assert "where record 2 was due" in channel.read_records(replayed, key).problem
-    assert "ends inside a record" in channel.read_records(good[:-5], key).problem
-    assert "not a record" in channel.read_records(b"PASS all\n" + good, key).problem
+def test_the_runner_s_records_are_json_lines_and_a_malformed_or_cut_one_is_refused():
+    good = b'{"kind": "case", "task": "t"}\n{"kind": "done"}\n'
+    assert sandbox.records_of(good) == ([{"kind": "case", "task": "t"}, {"kind": "done"}], False)
+    assert sandbox.records_of(good[:-3]) == ([{"kind": "case", "task": "t"}], False)   # cut: no done record
+    assert sandbox.records_of(b"PASS all\n" + good)[1] is True
+    assert sandbox.records_of(b"[1]\n")[1] is True
 
 
 def test_plain_loads_takes_plain_data_and_refuses_everything_else_at_once():
@@ -291,18 +286,17 @@ def test_the_booker_books_the_comm_meters_algorithmic_bytes():
 
 # ---------------------------------------------------------------- rank streams and evidence
 
-def _stream(*lines: str) -> tuple[bytes, bytes]:
-    key = channel.new_key()
-    return key + b"".join(channel.seal(key, i, line.encode()) for i, line in enumerate(lines)), key
+def _stream(*lines: str) -> bytes:
+    return "".join(line + "\n" for line in lines).encode()
 
 
 def test_stream_gives_traffic_per_region_and_evidence():
-    raw, _ = _stream("pg\t0\t2\t0", "op\tsend\t4\t0", "region\tbegin\t0\t0", "op\tsend\t4096\t0",
-                     "op\trecv\t0\t0", "region\tend\t0\t0", "region\tbegin\t1\t1", "op\tall_reduce\t8\t0",
-                     "region\tend\t1\t1", "ev\tsys._getframe\t\t<answer cell ab12 line 3", "finish\tabc")
+    raw = _stream("pg\t0\t2\t0", "op\tsend\t4\t0", "region\tbegin\t0\t0", "op\tsend\t4096\t0",
+                  "op\trecv\t0\t0", "region\tend\t0\t0", "region\tbegin\t1\t1", "op\tall_reduce\t8\t0",
+                  "region\tend\t1\t1", "ev\tsys._getframe\t\t<answer cell ab12 line 3", "end")
     log = evidence.read_stream(raw)
     assert log.regions[0] == CommStats({"send": 1, "recv": 1}, {"send": 4096, "recv": 0})
-    assert log.learner_regions == {1} and log.digest == "abc" and not log.problem
+    assert log.learner_regions == {1} and not log.problem
     assert log.evidence == ["sys._getframe (answer cell ab12 line 3)"]
     problems: list[str] = []
     out = evidence.substitute({"comm": {REGION_KEY: 0}, "x": [{REGION_KEY: 1}, {REGION_KEY: -1}]}, log, problems)
@@ -311,21 +305,33 @@ def test_stream_gives_traffic_per_region_and_evidence():
                         "traffic figures that the check's meter did not produce"]
 
 
-def test_stream_that_is_forged_cut_or_disowns_its_outputs_is_evidence():
-    import hashlib
-    raw, key = _stream("op\tsend\t4\t0", "finish\t" + hashlib.sha256(b"outputs").hexdigest())
-    assert evidence.check_outputs(evidence.read_stream(raw), b"outputs") == ""
-    assert "changed after" in evidence.check_outputs(evidence.read_stream(raw), b"other outputs")
-    cut = raw[: len(raw) - len(channel.seal(key, 1, b"finish\t" + b"0" * 64))]
-    assert "ended before the rank returned" in evidence.check_outputs(evidence.read_stream(cut), b"outputs")
-    forged = raw + channel.seal(channel.new_key(), 2, b"op\tsend\t4096\t0")
-    assert "tampered with" in evidence.check_outputs(evidence.read_stream(forged), b"outputs")
-    assert "missing" in evidence.read_stream(b"").problem
-    # the first finish wins; a second one is evidence
-    again = raw + channel.seal(key, 2, b"finish\t" + hashlib.sha256(b"other outputs").hexdigest().encode())
-    log = evidence.read_stream(again)
-    assert evidence.check_outputs(log, b"outputs") == "" and log.evidence == [
-        "a second finish record (only the first counts)"]
+BOOKED = b"kind\tsend\nregion\tbegin\t0\nregion\tend\t0\t{\"send\": 1}\t{\"send\": 1024}\nend\n"
+
+
+def test_records_a_learner_writes_into_its_stream_never_raise_its_traffic():
+    """The stream carries no key: a learner can write into it. On CPU the traffic is the broker's (`BOOKED`):
+    traffic records appended to the stream are refused, never counted; a cut, unparseable or re-ended stream is
+    refused (the task scores zero); evidence lines a learner adds only ever count against them."""
+    honest = _stream("region\tbegin\t0\t0", "region\tend\t0\t0", "end")
+    log = evidence.read_stream(honest, broker=BOOKED)
+    assert log.problem == "" and log.evidence == [] and log.regions[0] == CommStats({"send": 1}, {"send": 1024})
+    for forged, why in [
+            (_stream("region\tbegin\t0\t0", "op\tsend\t4096\t0", "region\tend\t0\t0", "end"), "did not write"),
+            (_stream("pg\t0\t2\t0", "region\tbegin\t0\t0", "region\tend\t0\t0", "end"), "did not write"),
+            (honest + b"region\tbegin\t0", "ends inside a record"),                # a record cut off
+            (honest + _stream("end"), "did not write"),                            # a second end
+            (_stream("end", "region\tbegin\t0\t0", "region\tend\t0\t0", "end"), "did not write"),
+            (honest[: -len(b"end\n")], "ended before the rank returned"),         # closed before the end
+            (_stream("region\tbegin\t0\t0\tend", "end"), "did not write"),          # a wrong number of fields
+            (b"", "ended before the rank returned")]:
+        got = evidence.read_stream(forged, broker=BOOKED)
+        assert why in got.problem and got.regions[0] == CommStats({"send": 1}, {"send": 1024}), (forged, got)
+    # extra region markers in the stream no longer match the broker's: evidence
+    got = evidence.read_stream(_stream("region\tbegin\t7\t0", "region\tend\t0\t0", "end"), broker=BOOKED)
+    assert any("do not match the check's" in e for e in got.evidence), got
+    # without a broker (NCCL) the stream's traffic is all there is: detected, and a cut one is refused
+    assert evidence.read_stream(_stream("op\tsend\t4\t0")).problem.startswith("its audit stream ended before")
+    assert "flooded" in evidence.read_stream(honest, flooded=True, broker=BOOKED).problem
 
 
 def test_evidence_is_summarized_once_per_thing_seen():

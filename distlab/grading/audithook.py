@@ -1,13 +1,10 @@
-"""The audit hook a graded rank installs before any learner code: evidence that cannot be erased.
+"""The audit hook a graded rank installs before any learner code: what learner code did, as it happens.
 
 `install(stream_path, ...)` opens the rank's event stream (a FIFO the sandbox
-runner reads), writes a fresh random key as its first 32 bytes, and adds a
-`sys.addaudithook` hook, which no Python code can remove. From then on the
-hook writes sealed records (`distlab.grading.channel`) the moment something
-happens:
+runner reads) and adds a `sys.addaudithook` hook, which no Python code can
+remove. From then on the hook writes one text line per record
+(`distlab.grading.evidence` reads them) the moment something happens:
 
-- `op`: every call on a `MeteredGroup` (the hook runs it on the real group,
-  which only the hook references, and books its algorithmic bytes);
 - `region`: `track_comm` blocks opened and closed (`learner` = 1 when learner
   code was on the stack, so its figures are not the check's); while a block is
   open, each op is also added to its meter's `calls` and `bytes` (a check may
@@ -16,9 +13,18 @@ happens:
 - `ev`: events that learner code caused and an honest answer never needs:
   reading the stack or other objects' internals, replacing code, ctypes,
   processes, threads, signals, sockets, file access outside the Python
-  environment and the package, forged `distlab.*` audit events;
+  environment and the package, `distlab.*` audit events not raised by distlab;
 - `changed`: functions or classes of distlab / torch.distributed rebound
-  between two checkpoints; `finish`: the digest of the rank's outputs.
+  between two checkpoints; `end`: the trusted code handed the outputs back;
+- on NCCL only, `pg` and `op`: every call on a `MeteredGroup`, run by the hook
+  on the real group it holds, and its algorithmic bytes.
+
+On CPU (gloo) the real process groups are the rank's broker's
+(`distlab.grading.broker`): the hook forwards each call there and holds no
+group and no secret, so a rank that walks its own objects (gc, frames,
+closures) finds nothing to bypass the broker with; what the broker books is
+the rank's traffic (enforced). On NCCL the hook still owns the real groups:
+traffic there is detected, not enforced.
 
 Events that reach internals or the outside (gc walks, other threads' frames,
 tracing, ctypes, processes, signals, sockets, code objects) are booked to the
@@ -26,39 +32,26 @@ learner whenever a learner frame is anywhere on the stack, so calling them
 through a library function (`tree_map(gc.get_referrers, ...)`) hides nothing;
 the rest (imports, reading library files, `sys._getframe`, which the library
 does on the learner's behalf all the time) only when learner code caused them.
-Only the first `finish` counts: a later one is evidence.
+Each record is written, in one `write` of under PIPE_BUF bytes, before the
+event's caller gets anything back: a walk is booked before it returns.
 
-On CPU (gloo) the real process groups are the rank's broker's
-(`distlab.grading.broker`): the hook forwards each call there and holds no
-group; what the broker books is the rank's traffic. On NCCL the hook still
-owns the real groups (traffic detected, not enforced).
-
-Everything the hook uses is bound here, before learner code runs, and kept
-in its closure: learner code can rebind module attributes, but not these.
-The runner knows the key only from the stream's first bytes, so records a
-learner writes into the FIFO without it are refused (see `channel`).
-
-No plain reference leads from anything learner code can name to the hook's
-closure (its key, its sender, its state): only the interpreter's list of
-audit hooks holds it (`tests/test_grading_seal.py` walks every reference
-from the modules, the builtins and every class, and finds none). The routes
-that produce references at run time are each booked before they return, or
-refused:
-- gc walks, other threads' frames, tracers: booked (learner code anywhere
-  on the stack), before the walk returns anything;
+The stream is evidence the rank's own process writes, so it is detected, not
+enforced: learner code can append lines to it (they can only add evidence;
+see `evidence` for what is refused) or close it. Everything the hook uses is
+bound here, before learner code runs, and kept in its closure: learner code
+can rebind module attributes, but not these. Two routes that would hand the
+hook's frames to learner code are closed:
 - torch's frame-evaluation callback (`set_eval_frame`, what `torch.compile`
-  installs; it would be handed the hook's own frame, closure included, with
-  no audit event): replaced before learner code by `set_eval_frame` below,
-  which refuses a callback, and books the try;
-- tracebacks: no exception ever leaves the hook, so no traceback holds its
-  frames. A failing call on the metered group (a gloo error, an argument
-  the hook refuses) comes back to `MeteredGroup._op` as a `pgmeter.Failed`,
-  which raises a fresh exception there.
+  installs; it would be handed the hook's own frame with no audit event):
+  replaced before learner code by `set_eval_frame` below, which refuses a
+  callback, and books the try;
+- tracebacks: no exception ever leaves the hook. A failing call on the
+  metered group (a gloo error, an argument the hook refuses) comes back to
+  `MeteredGroup._op` as a `pgmeter.Failed`, which raises a fresh exception there.
 """
 from __future__ import annotations
 
 import os
-import struct
 import sys
 from typing import Any
 
@@ -184,7 +177,7 @@ def _codes_of(*fns: Any) -> frozenset:
 
 def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: tuple[str, ...],
             broker: Any = None) -> None:
-    """Open the event stream, send its key, add the hook. Call once per rank, before learner code.
+    """Open the event stream, add the hook. Call once per rank, before learner code.
 
     `trusted_codes` maps each `distlab.*` event ('distlab.pg.op', 'distlab.pg.create',
     'distlab.region', 'distlab.lookup', 'distlab.checkpoint', 'distlab.finish') to the code
@@ -204,10 +197,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     # the checkout (package, labs, solutions, a venv) may itself live under the temporary folder (a CI clone in
     # /tmp): it is never the rank's own
     outside = (os.path.dirname(os.path.dirname(os.path.realpath(os.path.dirname(__file__)))) + os.sep, *libs)
-    fd = os.open(stream_path, os.O_WRONLY)
-    key = os.urandom(32)
-    os.write(fd, key)
-    send, safe = _sender(fd, key)
+    send, safe = _sender(os.open(stream_path, os.O_WRONLY))
     busy, learner_cache, groups, live = [False], {}, {}, {}
     look = _stack_reader(libs, stdlib, frozen, learner_cache, busy)
     on_op = _op_runner(send, groups, live, broker)
@@ -224,28 +214,22 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     sys.addaudithook(hook)
 
 
-def _sender(fd: int, key: bytes) -> tuple[Any, Any]:
-    """(send, safe): `send(*fields)` writes one sealed record (numbered, HMAC'd with `key`) to `fd`; `safe(x)` is
-    a short text for an event argument, without calling any of the learner's methods."""
-    import _hashlib
-    import _thread
-    head, digest, write = struct.Struct(">4sQI").pack, _hashlib.hmac_digest, os.write
+def _sender(fd: int) -> tuple[Any, Any]:
+    """(send, safe): `send(*fields)` writes one record, a line of tab-separated fields, to `fd`; `safe(x)` is a
+    short text for an event argument, without calling any of the learner's methods."""
     _type, _str, _int, _list, _tuple, _len = type, str, int, list, tuple, len
-    _bool, _float, _bytes, lock, join = bool, float, bytes, _thread.allocate_lock(), str.join
+    _bool, _float, _bytes, join, replace, write = bool, float, bytes, str.join, str.replace, os.write
     name_of = type.__dict__["__name__"].__get__
-    seq = [0]
 
     def send(*fields: Any) -> None:
-        payload = join("\t", [f if _type(f) is _str else safe(f) for f in fields]).encode("utf-8", "replace")
-        with lock:   # one record at a time, numbered in order, even from several threads
-            n = seq[0]
-            seq[0] = n + 1
-            record = head(b"DLG1", n, _len(payload)) + payload + digest(
-                key, head(b"DLG1", n, _len(payload))[4:] + payload, "sha256")
-            try:
-                write(fd, record)
-            except OSError:
-                pass   # the runner sees the stream end early: that is the evidence
+        # tabs and newlines never reach a field (a learner-chosen file name could hold them), and a record is
+        # one write below PIPE_BUF: a FIFO never interleaves it with another writer's bytes
+        text = join("\t", [replace(replace(f if _type(f) is _str else safe(f), "\t", " "), "\n", " ")
+                           for f in fields])
+        try:
+            write(fd, text.encode("utf-8", "replace")[:4000] + b"\n")
+        except OSError:
+            pass   # the runner sees the stream end early: that is the evidence
 
     def safe(x: Any, depth: int = 0) -> str:
         """A short text for an event argument, without calling any of the learner's methods."""
@@ -541,7 +525,6 @@ def _distlab_events(trusted_codes: dict[str, Any], send: Any, safe: Any, on_op: 
     on_create = _group_creator(send, groups, broker)
     on_region, on_lookup = _region_book(send, live, broker)
     take_snapshot, compare = snapshots
-    finished = [False]
 
     def on_distlab(ev: str, args: tuple, code: Any, src: str) -> None:
         if code is None or code not in codes.get(ev, ()) or (src and ev in (
@@ -575,11 +558,7 @@ def _distlab_events(trusted_codes: dict[str, Any], send: Any, safe: Any, on_op: 
             if src:     # constructed with learner code on the stack (the check's own use is not the learner's)
                 send("ev", "used " + safe(args[0]), "this lab asks you to write it yourself", src)
         elif ev == "distlab.finish":
-            if finished[0]:
-                send("ev", "a second finish", "only the first one counts", src)
-                return
-            finished[0] = True
-            send("finish", args[0])
+            send("end")
     return on_distlab
 
 

@@ -1,31 +1,35 @@
-"""Reading a rank's event stream: the traffic it really sent, and what its learner code did.
+"""Reading a rank's event stream: the traffic it sent, and what its learner code did.
 
-A stream (see `distlab.grading.audithook`) starts with the rank's 32-byte key,
-followed by sealed records. `read_stream` verifies them and returns a
-`RankLog`: the comm ops booked inside each `track_comm` region, the
-evidence lines, and the digest the rank's trusted code gave its outputs.
+A stream (see `distlab.grading.audithook`) is plain text, one record a line:
+`kind<TAB>field...`. It carries no key and no seal: it is written from inside
+the rank, where learner code runs and can write into it too (its file
+descriptor is the rank's own). So the stream is *detected* evidence, and the
+grader believes it only in the directions a learner gains nothing from:
 
-What counts as evidence (each zeroes the task it was seen in):
-- an `ev` record (learner code read frames or other objects' internals,
-  replaced code, used ctypes, processes, threads, signals or sockets, touched
-  files outside the Python environment and the package, forged a distlab
-  audit event);
-- a `changed` record (a distlab / torch.distributed function or class rebound);
-- a stream that does not verify, or ends before the rank's `finish` record
-  although the rank returned outputs, or whose (first) digest does not match them;
-  a second `finish` record;
-- traffic figures in the outputs that no check-opened region measured.
+- a record of what learner code did (`ev`, `changed`) only ever zeroes a task;
+- traffic on CPU (gloo) is what the rank's broker booked (`distlab.grading.broker`),
+  never the stream; there `op` and `pg` records are lines the hook does not
+  write, so a stream holding one is refused (traffic records a learner appended);
+- a stream that does not parse (a line the hook never writes: unknown kind,
+  wrong number of fields, a record cut off), or whose `end` record (sent by
+  the trusted code that hands the outputs back) is missing, not last, or
+  repeated, is refused (`RankLog.problem`): an honest rank's stream always
+  ends so. Refused means the rank's task scores zero.
+
+What this cannot catch: learner code that takes over its own process can close
+or redirect the hook's descriptor and write a plausible stream of its own (an
+`end` included). That is why a verdict resting on the stream (a forbidden
+class, on NCCL the traffic) is labelled detected, never enforced.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 
-from distlab.grading.channel import read_records
 from distlab.meters.comm import CommStats
 
-KEY_BYTES = 32
+# kind -> number of tab-separated fields, kind included (what `audithook` writes)
+FIELDS = {"pg": 4, "op": 4, "region": 4, "ev": 4, "changed": 3, "end": 1}
 
 
 @dataclass
@@ -36,30 +40,32 @@ class RankLog:
     learner_regions: set[int] = field(default_factory=set)        # regions opened with learner code on the stack
     op_calls: dict[str, int] = field(default_factory=dict)        # every op the rank ran, in a region or not
     evidence: list[str] = field(default_factory=list)             # one short line each
-    digest: str = ""                                              # sha256 of the outputs, from `finish`
-    problem: str = ""                                             # why the stream cannot be trusted past a point
+    problem: str = ""                                             # why the stream is refused (zeroes the task)
 
 
 def read_stream(raw: bytes, flooded: bool = False, broker: bytes | None = None) -> RankLog:
-    """Verify and interpret one rank's stream (`raw`: everything the runner read from its FIFO). `broker`: what
-    the rank's broker booked (`distlab.grading.broker`); when given, the traffic is its, never the rank's."""
+    """Interpret one rank's stream (`raw`: everything the runner read from its FIFO). `broker`: what the rank's
+    broker booked (`distlab.grading.broker`); when given, the traffic is its, never the stream's."""
     log = RankLog()
-    if len(raw) < KEY_BYTES:
-        log.problem = "its audit stream is missing (the rank never started one)"
-        return log
-    stream = read_records(raw[KEY_BYTES:], raw[:KEY_BYTES])
+    lines = raw.decode("utf-8", "replace").split("\n")
+    if lines[-1]:
+        log.problem = "its audit stream ends inside a record (cut off, or bytes the audit hook did not write)"
     open_regions: dict[int, tuple[dict, dict]] = {}
     hook_regions: list[tuple[str, int]] = []
-    for payload in stream.records:
-        fields = payload.decode("utf-8", "replace").split("\t")
+    ends = 0
+    for n, line in enumerate(lines[:-1]):
+        fields = line.split("\t")
         kind = fields[0]
-        if kind == "op" and len(fields) >= 3 and broker is None:
+        if FIELDS.get(kind) != len(fields) or (broker is not None and kind in ("op", "pg")) or ends:
+            log.problem = log.problem or f"its audit stream holds a line the audit hook did not write (line {n + 1})"
+            break
+        if kind == "op":
             log.op_calls[fields[1]] = log.op_calls.get(fields[1], 0) + 1
             for calls, sent in open_regions.values():
                 calls[fields[1]] = calls.get(fields[1], 0) + 1
-                sent[fields[1]] = sent.get(fields[1], 0) + int(fields[2])
-        elif kind == "region" and len(fields) >= 4:
-            k = int(fields[2])
+                sent[fields[1]] = sent.get(fields[1], 0) + _int(fields[2])
+        elif kind == "region":
+            k = _int(fields[2])
             if fields[3] == "1":
                 log.learner_regions.add(k)
             if broker is not None:
@@ -69,24 +75,25 @@ def read_stream(raw: bytes, flooded: bool = False, broker: bytes | None = None) 
             elif k in open_regions:
                 calls, sent = open_regions.pop(k)
                 log.regions[k] = CommStats(calls, {kind_: sent.get(kind_, 0) for kind_ in calls})
-        elif kind == "ev" and len(fields) >= 4:
+        elif kind == "ev":
             log.evidence.append(_describe(fields[1], fields[2], fields[3]))
-        elif kind == "changed" and len(fields) >= 3:
+        elif kind == "changed":
             log.evidence.append(f"rebound {fields[1]} ({fields[2]})")
-        elif kind == "finish" and len(fields) >= 2:
-            if log.digest:     # the first finish wins; another one is evidence
-                log.evidence.append("a second finish record (only the first counts)")
-            else:
-                log.digest = fields[1]
+        elif kind == "end":
+            ends += 1
+    if not ends:
+        log.problem = log.problem or "its audit stream ended before the rank returned (cut off or closed)"
     if broker is not None and not broker:
         log.problem = "its broker's bookings are missing or were flooded"
     elif broker is not None:
         _read_broker(broker, log, hook_regions)
-    if stream.problem:
-        log.problem = f"its audit stream was tampered with: {stream.problem}"
     if flooded:
         log.problem = "its audit stream was flooded"
     return log
+
+
+def _int(text: str) -> int:
+    return int(text) if text.lstrip("-").isdigit() else -1
 
 
 def _read_broker(raw: bytes, log: RankLog, hook_regions: list[tuple[str, int]]) -> None:
@@ -118,25 +125,14 @@ def _describe(event: str, detail: str, where: str) -> str:
     return f"{event}{sep}{detail}".strip() + (f" ({where})" if where else "")
 
 
-def check_outputs(log: RankLog, data: bytes) -> str:
-    """'' when the rank's stream vouches for `data`; else why not (evidence)."""
-    if log.problem:
-        return log.problem
-    if not log.digest:
-        return "its audit stream ended before the rank returned"
-    if hashlib.sha256(data).hexdigest() != log.digest:
-        return "its outputs were changed after the check produced them"
-    return ""
-
-
 def substitute(obj: object, log: RankLog, problems: list[str], depth: int = 0) -> object:
-    """`obj` with every region reference replaced by the traffic the hook booked in that region.
+    """`obj` with every region reference replaced by the traffic booked in that region.
 
-    A reference the hook never vouched for (-1: figures the check's meter did
-    not produce; -2: a region learner code opened) is evidence, added to
+    A reference nothing vouched for (-1: figures the check's meter did not
+    produce; -2: a region learner code opened) is evidence, added to
     `problems`, and replaced by an empty CommStats.
     """
-    from distlab.grading.rankside import REGION_KEY
+    from distlab.grading.wire import REGION_KEY
     if type(obj) is dict and set(obj) == {REGION_KEY} and type(obj[REGION_KEY]) is int:
         k = obj[REGION_KEY]
         if k == -2 or k in log.learner_regions:

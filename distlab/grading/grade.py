@@ -8,9 +8,9 @@ runner (`sandbox`, `runner`); every rank's outputs (safetensors + JSON, see
 `wire`) are first checked against their bounds in a child process with a
 deadline (`resultcheck`): one that fails, or a child that does not answer in
 time, zeroes the whole submission with the reason (an honest rank cannot
-produce one). Then for each case it verifies the ranks' event streams
-(`evidence`), parses their outputs (`wire.decode`; never a pickle), replaces
-their traffic figures by what the audit hook booked, validates them and calls
+produce one). Then for each case it reads the ranks' event streams and
+what their brokers booked (`evidence`), parses their outputs (`wire.decode`;
+never a pickle), replaces their traffic figures by what was booked, validates them and calls
 the task's own `judge` here. Evidence that learner code tampered zeroes every
 line of the task it was seen in; the Audit column says what was seen. A
 failure is a one-line reason, never an exception (`grade_one`); the class
@@ -157,9 +157,8 @@ def _case_outputs(record: dict, seen: list[str], lab: str = "") -> list[Any]:
         raise CheckFailed("malformed result: outputs and audit streams do not match the ranks")
     outputs = []
     for r, (blob, log) in enumerate(zip(blobs, logs)):
-        why = evidence.check_outputs(log, blob)
-        if why:
-            seen.append(f"rank {r}: {why}")
+        if log.problem:
+            seen.append(f"rank {r}: {log.problem}")
         try:
             raw = wire.decode(blob)       # bounded: `checked` passed every blob in a child first
         except Exception as exc:  # noqa: BLE001 - malformed in a way the bounds allow

@@ -10,12 +10,12 @@ and whether or not a `TorchDispatchMode` is active (the learner can pop those).
 
 The group holds no communicator. Each method raises the audit event
 `distlab.pg.op` with its arguments; the audit hook of
-`distlab.grading.audithook` (which cannot be removed) owns the real gloo or
-NCCL group, runs the call on it, books the bytes (`OP_KINDS`, the same
-algorithmic bytes as `distlab.meters.track_comm`) and streams the record out
-before the call returns. So learner code cannot reach a communicator that is
-not metered: the only references to the real groups live in the hook's
-closure.
+`distlab.grading.audithook` (which cannot be removed) forwards the call to
+the rank's broker (`distlab.grading.broker`), a process of its own that owns
+the real gloo group, runs the call and books its bytes (`OP_KINDS`, the same
+algorithmic bytes as `distlab.meters.track_comm`). So the rank holds no
+communicator to bypass the meter with. On NCCL the hook owns the real group
+itself, runs and books the call (detected, not enforced).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ The sandbox runner launches `run_case(...)` on every rank of one case with
 0. it becomes non-dumpable (`seccomp.no_dump`: no sibling rank opens its pipes through /proc/<pid>/fd), then
    its secret inputs, when the lab's are drawn by the grader (`distlab.grading.secret`);
 1. its pipes to its broker (`distlab.grading.broker`, CPU/gloo ranks), then
-   `audithook.install`: the rank's event stream and its key, the hook;
+   `audithook.install`: the rank's event stream, the hook;
 2. the lab's library shortcuts are watched (`distlab.grading.shortcuts`), and
    the default process group is re-created as a `MeteredGroup`
    (`distlab.grading.pgmeter`), so every collective goes through the hook to
@@ -23,14 +23,14 @@ namespace (as in the notebook, with nothing else from it), the task's
 `exercise` runs with the learner's objects, and the outputs go back as
 safetensors bytes with their structure as JSON (`distlab.grading.wire`; no
 pickle). Every `CommStats` in them is replaced by a reference to the
-hook's record of that region (`{"__distlab_region__": k}`; -1 when the hook
-never saw it measured, -2 when learner code opened it), so the grader judges
-traffic from what the hook booked, never from what the rank reports.
+region it measured (`{"__distlab_region__": k}`; -1 when the hook never saw
+it measured, -2 when learner code opened it), so the grader judges traffic
+from what the broker booked in that region (on NCCL: the hook), never from
+what the rank reports.
 """
 from __future__ import annotations
 
 import builtins
-import hashlib
 import os
 import resource
 import sys
@@ -132,12 +132,12 @@ def _exec_cells(prelude: str, prelude_name: str, cells: list[tuple[str, str]]) -
 
 def _finisher() -> Any:
     """`finish(outputs)`: the outputs as safetensors bytes, each `CommStats` in them replaced by the hook's
-    region reference (`distlab.lookup`), their digest sent (`distlab.finish`). Built before learner code: what
-    it uses is bound here."""
+    region reference (`distlab.lookup`); the stream's `end` record sent (`distlab.finish`). Built before
+    learner code: what it uses is bound here."""
     from torch import Tensor
 
     from distlab.meters.comm import CommStats
-    audit, dumps, sha256, _type, _dict, _list, _tuple = sys.audit, wire.encode, hashlib.sha256, type, dict, list, tuple
+    audit, dumps, _type, _dict, _list, _tuple = sys.audit, wire.encode, type, dict, list, tuple
 
     def collect(x: Any, found: list, depth: int = 0) -> None:
         t = _type(x)
@@ -170,7 +170,7 @@ def _finisher() -> Any:
         regions: list = []
         audit("distlab.lookup", found, regions)
         data = dumps(swap(outputs, {id(s): k for s, k in zip(found, regions)}))
-        audit("distlab.finish", sha256(data).hexdigest())
+        audit("distlab.finish")
         return data
 
     return finish

@@ -1,16 +1,17 @@
 """The trusted runner: one per submission, inside its sandbox, runs every graded case.
 
-    python -m distlab.grading.runner --result-fd W --secret-fd S  < job.json
+    python -m distlab.grading.runner --result-fd W  < job.json
 
-The grader starts it (in bubblewrap unless --no-sandbox) with two pipes; when
+The grader starts it (in bubblewrap unless --no-sandbox) with a pipe; when
 the grader runs as root, `--uid N` makes the runner drop to that unprivileged
 uid (and gid, no groups) before anything else, so no process of the
 submission holds root's access to host files; then it lowers its resource
-limits (`limits`): processes, memory, file size, CPU. It
-reads a 32-byte secret from S and closes S before any rank exists, and writes
-sealed records (`distlab.grading.channel`) to W, which no rank inherits. It
-makes itself non-dumpable first, so processes of the same user (the ranks)
-cannot read its memory or file descriptors through /proc or ptrace.
+limits (`limits`): processes, memory, file size, CPU. It writes its
+records to W, one JSON object a line, and W is out of every rank's reach: the
+fork server closes it before any rank exists, and the runner makes itself
+non-dumpable first, so processes of the same user (the ranks) cannot open
+its file descriptors or memory through /proc or ptrace. (A key to seal the
+records would live in the same process, behind the same protection.)
 
 A job may be a bundle: one hand-in's answers to several labs (`parts`), run one lab after the other in
 the same sandbox (`distlab.grading.grade.run_together`); each case record names its lab and its part
@@ -21,7 +22,7 @@ forkserver for the whole submission; hangs end by the launcher's progress
 detection, busy loops at the case's work cap, the notebook's livelock bound
 computed in `grade.prepare`) and sends one record per case: the ranks' raw
 outputs (safetensors bytes, never parsed here; the launcher's wrapper around
-them is read by `plain_loads`), each rank's raw event stream with its key, what each rank's broker booked
+them is read by `plain_loads`), each rank's raw event stream, what each rank's broker booked
 (`distlab.grading.broker`: started per case before the ranks, on gloo), or
 why the case failed. After a hang, a busy loop or a case that ran past its
 cap, a task's later cases are not run. Then a `done` record, and exit 0: the grader treats
@@ -39,13 +40,13 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import psutil
 
 from distlab.engine import procs
 from distlab.grading.broker import Brokers
-from distlab.grading.channel import Writer
 from distlab.grading.seccomp import no_dump
 
 _STARTED = time.monotonic()
@@ -53,14 +54,13 @@ MAX_STREAM = 8 << 20     # bytes of audit events kept per rank and case
 
 
 def _fork_server(close: tuple[int, ...]) -> None:
-    """Start multiprocessing's fork server as a fork of this process, before any secret is read.
+    """Start multiprocessing's fork server as a fork of this process.
 
     `distlab.launch` starts ranks from a fork server that imported torch once.
     The usual one is a fresh interpreter importing everything again (~7 s of
     CPU here); this process has already imported it all, so the server is
-    forked from it instead. It happens before the secret is read, and the
-    child closes the result and secret descriptors (`close`) first: ranks,
-    forked from that child, inherit neither.
+    forked from it instead. The child closes the result descriptor and stdin
+    (`close`) first: ranks, forked from that child, inherit neither.
     """
     import socket
     from multiprocessing import connection, forkserver, resource_tracker, util
@@ -261,10 +261,16 @@ def limits(job: dict) -> None:
         resource.setrlimit(which, (value, value))
 
 
+def _send(fd: int, record: dict) -> None:
+    """One record to the grader: a line of JSON (which holds no raw newline)."""
+    data = memoryview(json.dumps(record).encode() + b"\n")
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlab.grading.runner")
     ap.add_argument("--result-fd", type=int, required=True)
-    ap.add_argument("--secret-fd", type=int, required=True)
     ap.add_argument("--uid", type=int, default=None)
     args = ap.parse_args(argv)
     if args.uid is not None:
@@ -285,15 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     # before the fork server starts: it, and every rank it forks, is non-dumpable too (a rank, same uid, could
     # otherwise write into the fork server's memory through /proc/<pid>/mem and fork outside its seccomp filter)
     no_dump()
-    _fork_server((args.result_fd, args.secret_fd, 0))
+    _fork_server((args.result_fd, 0))
     sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)
     procs.become_subreaper()   # without a sandbox, a rank's orphans come back here to be stopped
-    with os.fdopen(args.secret_fd, "rb") as f:
-        secret = f.read(64)
     os.set_inheritable(args.result_fd, False)
     print(f"distlab grade: runner up in {time.monotonic() - _STARTED:.1f} s", file=sys.stderr, flush=True)
-    writer = Writer(args.result_fd, secret)
-    del secret
+    send = partial(_send, args.result_fd)
     work = tempfile.mkdtemp(prefix="distlab-runner-")
     for k, (part, module) in enumerate(zip(parts, modules)):
         for name, indices in part["tasks"]:
@@ -314,13 +317,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
                     skip = later_cases_reason(case.world_size, rec.get("reason", ""), rec.get("stuck", "")) or ""
                 rec["lab"], rec["part"] = part["lab"], k
-                writer.send(json.dumps(rec).encode())
+                send(rec)
     procs.kill_until_gone(lambda: psutil.Process().children(recursive=True), procs.reap_orphans)
     shutil.rmtree(work, ignore_errors=True)
     import resource
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu_s = sum(u.ru_utime + u.ru_stime for u in usage)    # the ranks, reaped by the fork server, included
-    writer.send(json.dumps({"kind": "done", "cpu_s": round(cpu_s, 2)}).encode())
+    send({"kind": "done", "cpu_s": round(cpu_s, 2)})
     return 0
 
 

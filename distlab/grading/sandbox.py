@@ -1,7 +1,7 @@
 """Running one submission's runner in a bubblewrap sandbox, and reading what it sends back.
 
 `run(job, ...)` starts `python -I -m distlab.grading.runner` (see there) and
-returns the verified records it sent, or a one-line reason. By default on
+returns the records it sent on its result pipe, or a one-line reason. By default on
 Linux the runner runs inside `bwrap` (`argv()`):
 
 - its own PID, IPC, UTS and network namespaces: the grader's processes are
@@ -26,7 +26,7 @@ Linux the runner runs inside `bwrap` (`argv()`):
   every process left inside it: a learner's daemon or fork bomb included.
 
 Without the sandbox (`--no-sandbox`, or bwrap missing) the runner still
-judges nothing itself and still authenticates its records, but learner code
+judges nothing itself, but learner code
 can read whatever the instructor's account can and reach the network.
 """
 from __future__ import annotations
@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Callable
 
 from distlab.engine import procs
-from distlab.grading.channel import new_key, read_records
 
 MAX_FILE_BYTES = 64 << 20           # RLIMIT_FSIZE for everything in the sandbox (ranks' output floods)
 MAX_RESULT_BYTES = 256 << 20        # all records of one submission: past it the runner is stopped at once
@@ -248,7 +247,7 @@ def _limits() -> None:
 
 @dataclass
 class Outcome:
-    """What the runner sent (verified records, in order) and, if it failed, why (one line)."""
+    """What the runner sent (its records, in order) and, if it failed, why (one line)."""
 
     records: list[dict] = field(default_factory=list)
     failure: str = ""
@@ -288,11 +287,8 @@ def run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path,
 def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_record: Callable[[dict], None] | None,
          slot: int, limits: Limits, max_result_bytes: int) -> Outcome:
     start = time.monotonic()
-    secret = new_key()
     res_r, res_w = os.pipe()
-    sec_r, sec_w = os.pipe()
-    cmd = [sys.executable, "-I", "-B", "-m", "distlab.grading.runner", "--result-fd", str(res_w),
-           "--secret-fd", str(sec_r)]
+    cmd = [sys.executable, "-I", "-B", "-m", "distlab.grading.runner", "--result-fd", str(res_w)]
     workdir = None
     if sandbox is not None:
         if "--cap-add" in sandbox:      # bwrap run as root (see argv): the runner drops to its own uid
@@ -310,14 +306,11 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
     with open(log, "wb") as logf:
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT, cwd=cwd,
-                                    env=env, pass_fds=(res_w, sec_r), start_new_session=True, preexec_fn=_limits)
+                                    env=env, pass_fds=(res_w,), start_new_session=True, preexec_fn=_limits)
         finally:
             os.close(res_w)
-            os.close(sec_r)
-        os.write(sec_w, secret)
-        os.close(sec_w)
         overflow = threading.Event()
-        reader = threading.Thread(target=_pump, args=(res_r, received, secret, on_record, max_result_bytes,
+        reader = threading.Thread(target=_pump, args=(res_r, received, on_record, max_result_bytes,
                                                       overflow), daemon=True)
         reader.start()
         feeder = threading.Thread(target=_feed, args=(proc, json.dumps(job).encode()), daemon=True)
@@ -339,15 +332,14 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
             os.close(res_r)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
-    stream = read_records(bytes(received), secret)
-    out.records = [json.loads(r) for r in stream.records]
+    out.records, malformed = records_of(bytes(received))
     done = bool(out.records) and out.records[-1].get("kind") == "done"
     if done and isinstance(out.records[-1].get("cpu_s"), (int, float)):
         out.cpu_s = float(out.records[-1]["cpu_s"])
     if not out.failure and (code != 0 or not done):
         out.failure = f"the grading runner {_exit_words(code)} before it finished: a rank may have killed it"
-    if stream.problem and not out.failure:
-        out.failure = f"the results did not verify ({stream.problem}): not graded"
+    if malformed and not out.failure:
+        out.failure = "the runner's results were malformed: not graded"
     out.seconds = time.monotonic() - start
     return out
 
@@ -430,10 +422,25 @@ def _exit_words(code: int | None) -> str:
         return f"exited with code {code}"
 
 
-def _pump(fd: int, into: bytearray, secret: bytes, on_record: Callable[[dict], None] | None,
+def records_of(data: bytes) -> tuple[list[dict], bool]:
+    """The runner's records (a JSON object a line), and whether any complete line was not one."""
+    out, malformed = [], False
+    for line in data.split(b"\n")[:-1]:      # the last piece: an unfinished line (the runner was stopped)
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if type(rec) is dict:
+            out.append(rec)
+        else:
+            malformed = True
+    return out, malformed
+
+
+def _pump(fd: int, into: bytearray, on_record: Callable[[dict], None] | None,
           max_bytes: int = MAX_RESULT_BYTES, overflow: threading.Event | None = None) -> None:
     """Collect the runner's bytes (at most `max_bytes`: past it, set `overflow` and stop reading); hand each
-    verified record to `on_record` as it arrives."""
+    record to `on_record` as it arrives."""
     seen = 0
     while True:
         try:
@@ -448,13 +455,13 @@ def _pump(fd: int, into: bytearray, secret: bytes, on_record: Callable[[dict], N
             return
         into += chunk
         if on_record is not None:
-            records = read_records(bytes(into), secret).records
-            for rec in records[seen:]:
+            end = into.rfind(b"\n") + 1
+            for rec in records_of(bytes(into[seen:end]))[0]:
                 try:
-                    on_record(json.loads(rec))
+                    on_record(rec)
                 except Exception:  # noqa: BLE001 - progress printing must not stop grading
                     pass
-            seen = len(records)
+            seen = end
 
 
 def _stop(proc: subprocess.Popen, token: str | None) -> None:
