@@ -55,30 +55,24 @@ import os
 import sys
 from typing import Any
 
-# Events worth a record when learner code caused them. "open" is filtered by path and mode below.
-WATCH = frozenset({
-    "sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile",
-    "sys.addaudithook",
-    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "object.__setattr__", "object.__delattr__",
-    "code.__new__", "function.__new__", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-    "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
-    "_thread.start_new_thread", "mmap.__new__", "os.listdir", "os.scandir", "os.remove", "os.rename",
-    "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink", "os.utime",
-    "os.chdir", "shutil.rmtree", "shutil.copyfile", "resource.setrlimit", "resource.prlimit", "fcntl.ioctl",
-    "open", "compile", "exec", "import", "object.__getattr__", "marshal.loads", "marshal.load",
+# Events booked whenever learner code is anywhere on the stack (see the module docstring) ...
+ANYWHERE = frozenset({
+    "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
+    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "code.__new__", "function.__new__", "os.system",
+    "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill",
+    "os.killpg", "signal.pthread_kill", "mmap.__new__", "resource.setrlimit", "resource.prlimit",
 })
+# ... and all those worth a record when learner code caused them. "open" is filtered by path and mode below.
+WATCH = ANYWHERE | {
+    "sys._getframe", "object.__setattr__", "object.__delattr__", "_thread.start_new_thread", "os.listdir",
+    "os.scandir", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown", "os.link",
+    "os.symlink", "os.utime", "os.chdir", "shutil.rmtree", "shutil.copyfile", "fcntl.ioctl", "open", "compile",
+    "exec", "import", "object.__getattr__", "marshal.loads", "marshal.load",
+}
 PREFIXES = ("ctypes.", "socket.", "_posixsubprocess.")
 # file-system events that are the rank's own business inside its temporary folder (`in_tmp`)
 TMP_EVENTS = frozenset({"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.listdir", "os.scandir", "os.truncate",
                         "os.utime", "os.chmod", "shutil.rmtree"})
-# booked whenever learner code is anywhere on the stack (see the module docstring)
-ANYWHERE = frozenset({
-    "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
-    "gc.get_objects",
-    "gc.get_referrers", "gc.get_referents", "code.__new__", "function.__new__", "os.system", "os.exec",
-    "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
-    "signal.pthread_kill", "mmap.__new__", "resource.setrlimit", "resource.prlimit",
-})
 ANYWHERE_PREFIXES = ("ctypes.", "_posixsubprocess.", "socket.__new__", "socket.bind", "socket.connect",
                      "socket.sendto", "socket.sendmsg")
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_globals", "f_locals"})
@@ -163,16 +157,6 @@ def _take_frame_callbacks() -> dict[str, Any]:
                 for k in [k for k, v in holder.items() if v is fn]:
                     holder[k] = mine[name]
     return originals
-
-
-def _codes_of(*fns: Any) -> frozenset:
-    """The code objects of `fns` and of every function defined inside them."""
-    out, todo = set(), [f.__code__ for f in fns]
-    while todo:
-        code = todo.pop()
-        out.add(code)
-        todo.extend(c for c in code.co_consts if type(c) is type(code))
-    return frozenset(out)
 
 
 def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: tuple[str, ...],

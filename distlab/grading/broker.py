@@ -34,6 +34,9 @@ import struct
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 _HEAD = struct.Struct(">II")      # JSON length, number of tensors
 _LEN = struct.Struct(">Q")
 MAX_JSON = 1 << 20
@@ -91,20 +94,17 @@ def recv_msg(fd: int, max_bytes: int = 8 << 30) -> tuple[dict, list[bytes]]:
 # -- tensors and call arguments ------------------------------------------------------------------------------
 def tensor_bytes(t: Any) -> bytes:
     """A tensor's bytes, read with `TensorBase`'s own methods (a subclass's Python overrides never run)."""
-    import torch
     base = torch._C.TensorBase
     flat = base.reshape(base.contiguous(base.detach(t)), (-1,))
     return base.numpy(base.view(flat, torch.uint8)).tobytes() if base.numel(flat) else b""
 
 
 def tensor_meta(t: Any) -> tuple[str, list[int]]:
-    import torch
     base = torch._C.TensorBase
     return str(base.dtype.__get__(t)).removeprefix("torch."), [int(s) for s in base.size(t)]
 
 
 def tensor_from(blob: bytes, dtype: str, shape: list[int]) -> Any:
-    import torch
     dt = getattr(torch, dtype)
     if type(dt) is not torch.dtype:
         raise TypeError(f"not a dtype: {dtype}")
@@ -115,7 +115,6 @@ def tensor_from(blob: bytes, dtype: str, shape: list[int]) -> Any:
 def encode_call(call: tuple, tensor_type: type, c10d: Any) -> tuple[Any, list[bytes]]:
     """The arguments of a ProcessGroup call as JSON (tensors as {"T": i}, options as {"O": name, "f": ...}) and
     the tensors' bytes. Only plain values, lists, tensors and c10d options pass (the hook has checked)."""
-    import torch.distributed as dist
     blobs: list[bytes] = []
     reduce_op = dist.ReduceOp
 
@@ -141,8 +140,6 @@ def encode_call(call: tuple, tensor_type: type, c10d: Any) -> tuple[Any, list[by
 
 def decode_call(obj: Any, blobs: list[bytes]) -> Any:
     """The broker's side of `encode_call`: real tensors and option objects again."""
-    import torch
-    import torch.distributed as dist
     c10d = torch._C._distributed_c10d
 
     def dec(x: Any, depth: int = 0) -> Any:
@@ -210,14 +207,11 @@ def serve(rank: int, port: int, req_path: str, rep_path: str, log: Any) -> None:
 
 class _Broker:
     def __init__(self, rank: int, port: int, req: int, rep: int, note: Any) -> None:
-        import torch
-        import torch.distributed as dist
-
         from distlab.grading.pgmeter import OP_KINDS, algorithmic_bytes_booker
         base = torch._C.TensorBase
         self.book = algorithmic_bytes_booker(base.numel, base.element_size, base.dim, base.size)
         self.kinds = dict(OP_KINDS)
-        self.rank, self.req, self.rep, self.note, self.torch = rank, req, rep, note, torch
+        self.rank, self.req, self.rep, self.note = rank, req, rep, note
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         self.groups: dict[str, tuple] = {}
         self.works: dict[int, tuple] = {}
@@ -254,7 +248,6 @@ class _Broker:
             self.note("region", edge, k, json.dumps(calls), json.dumps(sent))
 
     def do_create(self, head: dict, blobs: list) -> tuple[dict, list]:
-        import torch.distributed as dist
         gid, rank, size = str(head["g"]), int(head["rank"]), int(head["size"])
         if gid in self.groups or not 0 <= rank < size:
             raise ValueError(f"group {gid!r} already exists or rank {rank} of {size}")
@@ -304,7 +297,7 @@ class _Broker:
         work, first, name = self.works.pop(int(head["h"]))
         work.wait()
         src = work._source_rank() if name == "recv_anysource" else None
-        outs = [] if name in ("send", "barrier", "monitored_barrier") else flat_tensors(first, self.torch.Tensor)
+        outs = [] if name in ("send", "barrier", "monitored_barrier") else flat_tensors(first, torch.Tensor)
         return {"ok": True, "src": src}, [tensor_bytes(t) for t in outs]
 
 
@@ -342,67 +335,54 @@ class Client:
         args, blobs = encode_call(call, tensor_type, c10d)
         reply, _ = self.ask({"do": "op", "g": gid, "name": name, "args": args}, blobs)
         first = call[0] if call and name not in ("send", "barrier", "monitored_barrier") else None
-        return work_class()(self, int(reply["h"]), flat_tensors(first, tensor_type), first)
+        return BrokerWork(self, int(reply["h"]), flat_tensors(first, tensor_type), first)
 
 
-_WORK: list = []
+class BrokerWork(dist.Work):
+    """An op the broker runs: `wait` fetches its outputs and copies them into the rank's tensors."""
 
+    def __init__(self, client: Client, handle: int, outs: list, first: Any) -> None:
+        super().__init__()
+        self._client, self._handle, self._outs, self._first = client, handle, outs, first
+        self._done, self._src = False, -1
 
-def work_class() -> type:
-    """`BrokerWork`, a `torch.distributed.Work` (built once: torch is imported lazily here)."""
-    if _WORK:
-        return _WORK[0]
-    import torch
-    import torch.distributed as dist
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            self._done = True
+            reply, blobs = self._client.ask({"do": "wait", "h": self._handle})
+            if len(blobs) != len(self._outs):
+                raise RuntimeError("distlab grade: the broker sent back the wrong number of tensors")
+            with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+                for dst, blob in zip(self._outs, blobs):
+                    torch._C.TensorBase.copy_(dst, tensor_from(blob, *tensor_meta(dst)))
+            self._src = reply.get("src") if type(reply.get("src")) is int else -1
+        return True
 
-    class BrokerWork(dist.Work):
-        """An op the broker runs: `wait` fetches its outputs and copies them into the rank's tensors."""
+    def is_completed(self) -> bool:
+        return self._done
 
-        def __init__(self, client: Client, handle: int, outs: list, first: Any) -> None:
-            super().__init__()
-            self._client, self._handle, self._outs, self._first = client, handle, outs, first
-            self._done, self._src = False, -1
+    def is_success(self) -> bool:
+        return True
 
-        def wait(self, timeout: Any = None) -> bool:
-            if not self._done:
-                self._done = True
-                reply, blobs = self._client.ask({"do": "wait", "h": self._handle})
-                if len(blobs) != len(self._outs):
-                    raise RuntimeError("distlab grade: the broker sent back the wrong number of tensors")
-                with torch.no_grad(), torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-                    for dst, blob in zip(self._outs, blobs):
-                        torch._C.TensorBase.copy_(dst, tensor_from(blob, *tensor_meta(dst)))
-                self._src = reply.get("src") if type(reply.get("src")) is int else -1
-            return True
+    def exception(self) -> Any:
+        return None
 
-        def is_completed(self) -> bool:
-            return self._done
+    def source_rank(self) -> int:
+        self.wait()
+        return self._src
 
-        def is_success(self) -> bool:
-            return True
+    def _source_rank(self) -> int:
+        return self.source_rank()
 
-        def exception(self) -> Any:
-            return None
+    def result(self) -> list:
+        self.wait()
+        return self._outs
 
-        def source_rank(self) -> int:
-            self.wait()
-            return self._src
-
-        def _source_rank(self) -> int:
-            return self.source_rank()
-
-        def result(self) -> list:
-            self.wait()
-            return self._outs
-
-        def get_future(self) -> Any:
-            self.wait()
-            fut = torch.futures.Future()
-            fut.set_result(self._outs)
-            return fut
-
-    _WORK.append(BrokerWork)
-    return BrokerWork
+    def get_future(self) -> Any:
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result(self._outs)
+        return fut
 
 
 # -- the runner's side --------------------------------------------------------------------------------------
@@ -410,7 +390,6 @@ class Brokers:
     """One broker per rank of a case, started from the runner's fork server before the ranks."""
 
     def __init__(self, folder: str, world_size: int) -> None:
-        import torch.distributed as dist
         import torch.multiprocessing as tmp
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
         self.paths = [(os.path.join(folder, f"req{r}"), os.path.join(folder, f"rep{r}")) for r in range(world_size)]

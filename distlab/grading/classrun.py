@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from distlab.grading import submission
-from distlab.grading.grade import (Options, Result, failed, one_line, prepare, read_answers, run_answers,
+from distlab.grading.grade import (Options, Result, failed, grade_answers, one_line, prepare, read_answers,
                                   run_together)
 from distlab.grading.lab import ShippedLab
 
@@ -68,16 +68,7 @@ def grade(lab: str | Path | ShippedLab, submissions: list[Path], *, out: Path | 
 
     def one(item: tuple[str, list, list[str]]) -> None:
         name, answers, notes = item
-        start = time.monotonic()
-        try:
-            verdicts, flags, failure, cpu_s = run_answers(the_lab, answers, name, opts)
-            res = Result(name, verdicts, one_line("; ".join(notes + ([failure] if failure else []))), flags,
-                         cpu_s=cpu_s)
-        except Exception as exc:  # noqa: BLE001 - one broken submission never stops the class
-            res = failed(the_lab, name, f"internal error while grading ({type(exc).__name__}: {exc}); "
-                                        "please report it")
-        res.seconds = time.monotonic() - start
-        results[name] = res
+        results[name] = res = grade_answers(the_lab, answers, notes, name, opts)
         if echo is not None:
             echo(f"{name}: {res.score:g}/{res.max_score:g} in {res.seconds:.0f} s"
                  + (f"  ({res.note})" if res.note else ""))

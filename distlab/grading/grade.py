@@ -328,17 +328,26 @@ def read_answers(lab: ShippedLab, path: Path) -> tuple[list[tuple[str, str]], li
     return submission.answers(lab, submission.read(path))
 
 
-def grade_one(lab: ShippedLab, path: Path, name: str, opts: Options) -> Result:
-    """One submission, start to end; never raises (a failure is the Result's note)."""
+def grade_answers(lab: ShippedLab, answers: list[tuple[str, str]], notes: list[str], name: str,
+                  opts: Options) -> Result:
+    """One submission's answer cells run and judged (`notes`: what reading them found); never raises."""
     start = time.monotonic()
     try:
-        answers, missing = read_answers(lab, path)
         verdicts, flags, failure, cpu_s = run_answers(lab, answers, name, opts)
-        res = Result(name, verdicts, one_line("; ".join(missing + ([failure] if failure else []))), flags,
+        res = Result(name, verdicts, one_line("; ".join(notes + ([failure] if failure else []))), flags,
                      cpu_s=cpu_s)
-    except submission.BadSubmission as exc:
-        res = failed(lab, name, str(exc))
     except Exception as exc:  # noqa: BLE001 - one broken submission never stops the class
         res = failed(lab, name, f"internal error while grading ({type(exc).__name__}: {exc}); please report it")
     res.seconds = time.monotonic() - start
     return res
+
+
+def grade_one(lab: ShippedLab, path: Path, name: str, opts: Options) -> Result:
+    """One submission, start to end; never raises (a failure is the Result's note)."""
+    try:
+        answers, missing = read_answers(lab, path)
+    except submission.BadSubmission as exc:
+        return failed(lab, name, str(exc))
+    except Exception as exc:  # noqa: BLE001 - one broken submission never stops the class
+        return failed(lab, name, f"internal error while reading ({type(exc).__name__}: {exc})")
+    return grade_answers(lab, answers, missing, name, opts)
