@@ -66,7 +66,21 @@ def pipeline_parallel(model: nn.Module, microbatches: int) -> Pipeline:
     stage = Stage(model, r, p)                                     # blocks [a, b); embeddings first, head last
     pstage = PipelineStage(stage, r, p, rt.device())               # knows its neighbours r - 1 and r + 1
     schedule = Schedule1F1B(pstage, n_microbatches=microbatches, loss_fn=stage_loss)   # grads scaled by 1/m
+    _keep_only(model, stage)
     return Pipeline(stage, schedule, whole_model_names(stage), microbatches)
+
+
+def _keep_only(model: nn.Module, stage: Stage) -> None:
+    """Free, in `model`, what other stages run: each rank then holds its 1/p of the layers (every rank built the
+    whole model from one seed, so the stages start from one process's weights). In place, as `fully_shard`
+    shards a model in place; the whole model's forward is gone on this rank."""
+    own = range(stage.first_block, stage.first_block + len(stage.blocks))
+    for i in range(len(model.blocks)):
+        if i not in own:
+            model.blocks[i] = nn.Identity()
+    for name, kept in (("tok", stage.is_first), ("pos", stage.is_first), ("ln_f", stage.is_last), ("head", stage.is_last)):
+        if not kept:
+            setattr(model, name, None)
 
 
 def pipeline_step(pipe: Pipeline, opt: Any, sync_grads: Any, x: torch.Tensor, y: torch.Tensor, accumulate: int
