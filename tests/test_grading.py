@@ -30,6 +30,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- the runner's records and safe unpickling
 
+def test_the_runner_reads_the_ranks_secret_inputs_only_after_its_job():
+    """Two messages on the runner's stdin: the job without inputs (read exactly, before the ranks' fork server
+    is forked), then the inputs. A rank's memory never held another rank's (test_grading_class probes it)."""
+    from distlab.grading.runner import read_message
+    job = {"cap_s": 1, "parts": [{"lab": "a", "inputs": {"t/0": ["AAAA", "BBBB"]}}, {"lab": "b", "inputs": {}}]}
+    r, w = os.pipe()
+    os.write(w, sandbox.job_lines(job))
+    os.close(w)
+    bare = read_message(r)
+    assert "AAAA" not in json.dumps(bare) and [p["lab"] for p in bare["parts"]] == ["a", "b"]
+    assert read_message(r) == [{"t/0": ["AAAA", "BBBB"]}, {}]
+    os.close(r)
+
+
 def test_the_runner_s_records_are_json_lines_and_a_malformed_or_cut_one_is_refused():
     good = b'{"kind": "case", "task": "t"}\n{"kind": "done"}\n'
     assert sandbox.records_of(good) == ([{"kind": "case", "task": "t"}, {"kind": "done"}], False)

@@ -96,10 +96,12 @@ def _reach():
     keys = [type(c.cell_contents).__name__ for f in objs if type(f).__name__ == "function"
             and f.__code__.co_filename.endswith("audithook.py") for c in (f.__closure__ or ())
             if type(c.cell_contents) in (bytes, bytearray)]
-    return sorted(found), keys
+    # every rank's secret inputs, as the grader sent them to the runner (a dict of base64 blobs per case)
+    inputs = sum(1 for x in objs if type(x) is dict and type(x.get("inputs")) is dict and x["inputs"])
+    return sorted(found), keys, inputs
 exec(compile("def _hidden():\\n    return _reach()\\n", "<frozen x>", "exec"), globals())
-_groups, _keys = _hidden()
-_seen = {"groups": _groups, "keys": _keys, "tried": 0, "opened": [], "mem": []}
+_groups, _keys, _inputs = _hidden()
+_seen = {"groups": _groups, "keys": _keys, "inputs": _inputs, "tried": 0, "opened": [], "mem": []}
 # the rank's siblings (same uid): every file they hold, opened for writing through /proc/<pid>/fd (a sibling
 # rank's pipe to its broker, its event stream), and their memory through /proc/<pid>/mem
 for _pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
@@ -519,6 +521,7 @@ def test_a_rank_that_reaches_into_its_own_process_or_its_siblings_finds_no_real_
     probe = _probe(r)
     assert probe["groups"] == [] and probe["keys"] == [] and probe["opened"] == [] and probe["mem"] == [], \
         r.verdicts[0].judged
+    assert probe["inputs"] == 0, probe      # the ranks' fork server was forked before the runner read them
     assert probe["tried"] >= 4, probe     # the other rank, two brokers, the runner: each refused
     assert r.score == 0 and any("<frozen x>" in f for f in r.flags), r.flags
     # a region marker written into the rank's own pipe to its broker is booked by the broker as forged

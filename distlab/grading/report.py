@@ -9,9 +9,9 @@
   TOTAL row per student) and `junit.xml` (one test case per verdict line).
 
 A verdict line is *enforced* when nothing a submission does can change it short of computing the right thing
-(values judged here, on inputs drawn from a secret seed); *detected* when it rests on what the audit hook saw
-inside a rank (traffic, memory, an API the lab forbids), see `grade.how`. Any evidence of tampering zeroes its
-task and is listed in the Audit column.
+(values judged here, on inputs drawn from a secret seed; on CPU the traffic its ranks' brokers booked);
+*detected* when it rests on what the audit hook saw inside a rank (memory, an API the lab forbids; traffic on
+NCCL), see `grade.how`. Any evidence of tampering zeroes its task and is listed in the Audit column.
 """
 from __future__ import annotations
 
@@ -151,8 +151,9 @@ def gradebook(results, lab: str = "") -> str:
                     + f"<td class='{total}'><b>{_fmt(r.score)}/{_fmt(r.max_score)}</b></td>"
                     + f"<td>{r.seconds:.0f} s</td><td class='audit'>{side}</td></tr>")
     legend = ("Click a score to see its verdict lines. <b>enforced</b>: judged here from the ranks' values on "
-              "inputs drawn from a secret seed; <b>detected</b>: rests on what the audit hook saw inside a rank "
-              "(traffic, memory, an API the lab forbids) or was zeroed by such evidence: read those notebooks.")
+              "inputs drawn from a secret seed, and on CPU the traffic their brokers booked; <b>detected</b>: rests "
+              "on what the audit hook saw inside a rank (memory, an API the lab forbids, traffic on NCCL) or was "
+              "zeroed by such evidence: read those notebooks.")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>Grades for {html.escape(lab)}</title>"
             f"<style>{STYLE}</style></head><body><h1>Grades for {html.escape(lab)}</h1><p>{len(results)} "
             f"submissions. {legend}</p><table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"

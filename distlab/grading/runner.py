@@ -1,6 +1,6 @@
 """The trusted runner: one per submission, inside its sandbox, runs every graded case.
 
-    python -m distlab.grading.runner --result-fd W  < job.json
+    python -m distlab.grading.runner --result-fd W  < job (two messages: see `sandbox.job_lines`)
 
 The grader starts it (in bubblewrap unless --no-sandbox) with a pipe; when
 the grader runs as root, `--uid N` makes the runner drop to that unprivileged
@@ -261,6 +261,25 @@ def limits(job: dict) -> None:
         resource.setrlimit(which, (value, value))
 
 
+def read_message(fd: int) -> Any:
+    """One message from `fd`: its length (a line), then that many bytes of JSON; read unbuffered, so nothing of
+    the next message is in this process's memory yet."""
+    digits = b""
+    while not digits.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte or len(digits) > 20:
+            raise SystemExit("distlab grade: the runner's job was cut off")
+        digits += byte
+    data, left = [], int(digits)
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise SystemExit("distlab grade: the runner's job was cut off")
+        data.append(chunk)
+        left -= len(chunk)
+    return json.loads(b"".join(data))
+
+
 def _send(fd: int, record: dict) -> None:
     """One record to the grader: a line of JSON (which holds no raw newline)."""
     data = memoryview(json.dumps(record).encode() + b"\n")
@@ -278,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from distlab.checks import lab_module
     from distlab.checks.task import later_cases_reason
     from distlab.engine.launch import _PRELOAD
-    job = json.load(sys.stdin)
+    job = read_message(0)      # the job, without the ranks' secret inputs (`sandbox.job_lines`)
     limits(job)
     # a bundle: one hand-in's answers to several labs (`parts`), each part a lab's job, run in turn
     parts = [{**job, **part} for part in job.get("parts") or [job]]
@@ -294,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     _fork_server((args.result_fd, 0))
     sys.stdout, sys.stderr = _Capped(sys.stdout), _Capped(sys.stderr)
     procs.become_subreaper()   # without a sandbox, a rank's orphans come back here to be stopped
+    # the ranks' secret inputs, read only now: the fork server (and every rank and broker it forks) never held them
+    for part, inputs in zip(parts, read_message(0)):
+        part["inputs"] = inputs
     os.set_inheritable(args.result_fd, False)
     print(f"distlab grade: runner up in {time.monotonic() - _STARTED:.1f} s", file=sys.stderr, flush=True)
     send = partial(_send, args.result_fd)

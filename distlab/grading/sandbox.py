@@ -313,7 +313,7 @@ def _run(job: dict, *, sandbox: list[str] | None, cap_s: float, log: Path, on_re
         reader = threading.Thread(target=_pump, args=(res_r, received, on_record, max_result_bytes,
                                                       overflow), daemon=True)
         reader.start()
-        feeder = threading.Thread(target=_feed, args=(proc, json.dumps(job).encode()), daemon=True)
+        feeder = threading.Thread(target=_feed, args=(proc, job_lines(job)), daemon=True)
         feeder.start()      # a thread: the runner reads its job only after importing torch
         try:
             code = _wait(proc, cap_s, overflow, limits.memory_bytes, out, tmpfs=sandbox is not None)
@@ -403,6 +403,16 @@ def _tmpfs_bytes(pids: list[int]) -> int:
         except OSError:
             continue
     return 0
+
+
+def job_lines(job: dict) -> bytes:
+    """The runner's stdin: the job without the ranks' secret inputs, then each part's inputs, each as its length
+    (a line) and its JSON. The runner reads exactly the first (`runner.read_message`), forks the ranks' fork
+    server, then reads the second: no rank inherits another rank's inputs."""
+    parts = job.get("parts") or [job]
+    bare = {**job, "parts": [{**p, "inputs": None} for p in parts]} if "parts" in job else {**job, "inputs": None}
+    first, second = json.dumps(bare).encode(), json.dumps([p.get("inputs") for p in parts]).encode()
+    return b"%d\n" % len(first) + first + b"%d\n" % len(second) + second
 
 
 def _feed(proc: subprocess.Popen, data: bytes) -> None:
