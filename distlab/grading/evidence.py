@@ -12,9 +12,10 @@ grader believes it only in the directions a learner gains nothing from:
   write, so a stream holding one is refused (traffic records a learner appended);
 - a stream that does not parse (a line the hook never writes: unknown kind,
   wrong number of fields, a record cut off), or whose `end` record (sent by
-  the trusted code that hands the outputs back) is missing, not last, or
-  repeated, is refused (`RankLog.problem`): an honest rank's stream always
-  ends so. Refused means the rank's task scores zero.
+  the trusted code that hands the outputs back) is missing or repeated, is
+  refused (`RankLog.problem`): an honest rank's stream has exactly one.
+  Refused means the rank's task scores zero. (Records after the `end` are
+  read as usual: learner code may still run, a finalizer say, and be booked.)
 
 What this cannot catch: learner code that takes over its own process can close
 or redirect the hook's descriptor and write a plausible stream of its own (an
@@ -56,7 +57,7 @@ def read_stream(raw: bytes, flooded: bool = False, broker: bytes | None = None) 
     for n, line in enumerate(lines[:-1]):
         fields = line.split("\t")
         kind = fields[0]
-        if FIELDS.get(kind) != len(fields) or (broker is not None and kind in ("op", "pg")) or ends:
+        if FIELDS.get(kind) != len(fields) or (broker is not None and kind in ("op", "pg")) or (ends and kind == "end"):
             log.problem = log.problem or f"its audit stream holds a line the audit hook did not write (line {n + 1})"
             break
         if kind == "op":
