@@ -296,7 +296,7 @@ class _Broker:
     def do_wait(self, head: dict, blobs: list) -> tuple[dict, list]:
         work, first, name = self.works.pop(int(head["h"]))
         work.wait()
-        src = work._source_rank() if name == "recv_anysource" else None
+        src = work.source_rank() if name == "recv_anysource" else None
         outs = [] if name in ("send", "barrier", "monitored_barrier") else flat_tensors(first, torch.Tensor)
         return {"ok": True, "src": src}, [tensor_bytes(t) for t in outs]
 

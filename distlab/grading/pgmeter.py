@@ -193,7 +193,7 @@ def grouped_batch_isend_irecv(original: Any) -> Any:
     start and end of coalescing, and one Work comes back, as on NCCL without the grader."""
     def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
         group = p2p_op_list[0].group if p2p_op_list else None
-        group = group if group is not None else dist.distributed_c10d._get_default_group()
+        group = group if group is not None else dist.group.WORLD
         if not (isinstance(group, MeteredGroup) and group._backend_name.endswith("nccl")):
             return original(p2p_op_list)
         dist.distributed_c10d._check_p2p_op_list(p2p_op_list)
