@@ -9,8 +9,10 @@ built model's parameters. PyTorch's `PipelineStage` wraps that stage, and `Sched
 gradient-accumulation micro-batches through it: m = `accumulate` micro-batches of B/m rows per step,
 warm-up forwards, then one forward and one backward in turn. What crosses the wire is PyTorch's: per
 micro-batch and stage boundary one (B/m, T, d) activation forward and its gradient back, each a
-point-to-point message that the schedule posts with the matching receive in one `batch_isend_irecv`
-(what NCCL needs to progress both sides together). No gradient is reduced: each rank owns its stage.
+point-to-point message. In 1F1B's steady phase the schedule fires a forward send together with the
+backward receive it will wait for, in one `batch_isend_irecv` (what lets NCCL progress both sides);
+warm-up and cool-down sends and receives go out alone, asynchronously (torch 2.13's `_batch_p2p`). No
+gradient is reduced: each rank owns its stage.
 
 Every rank reads the whole global batch (stage 0 needs the tokens, the last stage the targets); the loss
 exists only on the last stage, which `pipeline_loss` broadcasts to every rank (one fp32 scalar from rank
