@@ -200,3 +200,38 @@ def test_committed_outputs_are_there(notebook):
     # the ties above read outputs: a notebook committed without them would make every tie vacuous
     codes = [c for c in _cells(notebook) if c["cell_type"] == "code"]
     assert sum(bool(c.get("outputs")) for c in codes) >= len(codes) // 2, notebook
+
+
+# ---- lecture 07: activations under ZeRO-3, and what DTensor did on this backend ------------------------------
+
+def test_07_activation_ratio_is_exact_in_fp32_and_short_by_the_layernorm_statistics_in_bf16_on_a_cpu():
+    nb = "notebooks/07_tensor_parallel_lecture.ipynb"
+    prose = _prose(nb)
+    assert "by 8 bytes per token per layer" in prose and "agree to the byte" in prose
+    dtype = _output(_cell(nb, "DTYPE = compute_dtype", "code"))      # what the activations were stored in
+    machine = _output(_cells(nb)[[c["cell_type"] for c in _cells(nb)].index("code")])
+    layers = int(re.search(r"H, HEADS, LAYERS = \d+, \d+, (\d+)", _source(_cell(nb, "DTYPE = compute_dtype")))[1])
+    rows = re.findall(r"\| (\d+) \| (\d+) \| (\w+) \| ([\d,]+) \| ([\d,]+) \| [\d.]+ \|",
+                      _output(_cell(nb, "acts = distlab.launch(zero3_activations", "code")))
+    assert len(rows) >= 7, rows
+    bf16_cpu = "compute in bf16" in dtype and machine.startswith("machine: CPU")
+    for s, b, mode, kept, predicted in rows:
+        short = int(predicted.replace(",", "")) - int(kept.replace(",", ""))
+        # full recomputation keeps only each layer's input (no LayerNorm statistics): exact in every dtype
+        want = 8 * int(s) * int(b) * layers if bf16_cpu and mode != "full" else 0
+        assert short == want, (s, b, mode, kept, predicted, dtype)
+
+
+def test_07_layout_changes_and_context_parallel_say_what_the_cells_printed():
+    nb = "notebooks/07_tensor_parallel_lecture.ipynb"
+    table = _output(_cell(nb, "seen = distlab.launch(layouts, 4)", "code"))
+    for change, collective in (("Shard(0) → Replicate", "all_gather"), ("Partial → Replicate", "all_reduce"),
+                               ("Partial → Shard(0)", "reduce_scatter")):
+        assert re.search(rf"\| {re.escape(change)} \| {collective} \| {collective} \| [\d,]+ \| yes \|", table), table
+    cp = _output(_cell(nb, "def try_context_parallel", "code"))
+    machine = _output(_cells(nb)[[c["cell_type"] for c in _cells(nb)].index("code")])
+    if machine.startswith("machine: CPU"):
+        # the prose: on CPU ranks non-causal attention runs and matches, the causal mask stops with NotImplementedError
+        assert re.search(r"causal=False: runs, largest \|Δ\| from one process \d\.\de-0[5-9]", cp), cp
+        assert "causal=True: fails: NotImplementedError" in cp, cp
+    assert "stops with the `NotImplementedError` printed" in _prose(nb)
