@@ -41,3 +41,16 @@ def test_the_tour_draws_lecture_9s_curves(tmp_path):
            "strategies": {"ddp": {"loss": [5.0, 4.0, 3.0], "max_abs_dloss": 0.0, "tokens_per_s_ratio": 0.5}}}
     assert _figures({"training": [rec]}, tmp_path) == ["training_curves.png"]
     assert (tmp_path / "training_curves.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, micro_batches", [(["--strategy", "pp"], 4), (["--strategy", "pp", "--accumulate", "2"], 2),
+                                                 (["--strategy", "ddp"], 1)])
+def test_pp_defaults_to_micro_batches_that_fill_a_pipeline(argv, micro_batches):
+    # a pipeline of one micro-batch has no overlap; the default does not follow the world size, so a resume on
+    # another number of stages keeps the same micro-batches (and the same curve)
+    import argparse
+    from distlab.apps import train
+    sub = argparse.ArgumentParser().add_subparsers()
+    train.add_parser(sub)
+    args = sub.choices["train"].parse_args([*argv, "--world-size", "2", "--out", "x"])
+    assert train.config(args).accumulate == micro_batches

@@ -4,7 +4,7 @@
     distlab train --strategy fsdp2 --world-size 2 --steps 300 --out run/ --resume     # continues run/ on 2 ranks
     distlab train --strategy zero3 --world-size 2 --notebook labs/05_zero3.ipynb --out mine/   # your ZeRO-3
     distlab train --strategy dp_tp --world-size 4 --steps 300 --out run/ --resume     # run/ on a 2 x 2 mesh
-    distlab train --strategy pp --world-size 2 --accumulate 4 --out pp/               # 2 stages, 4 micro-batches
+    distlab train --strategy pp --world-size 2 --out pp/          # 2 stages, 4 micro-batches (--accumulate)
     torchrun --nproc-per-node 4 -m distlab.apps.train --strategy fsdp2 --out run/      # under torchrun
 
 Writes to `--out`: `checkpoints/step_NNNNNN/` (torch.distributed.checkpoint, written to a hidden folder and
@@ -28,6 +28,7 @@ PRESETS = {   # model and batch per preset (the corpus is the whole standard lib
     "small": dict(batch_size=16, seq_len=64, d_model=64, n_layers=2, n_heads=4),
     "medium": dict(batch_size=32, seq_len=128, d_model=128, n_layers=4, n_heads=4),
 }
+PP_MICRO_BATCHES = 4   # pp's default micro-batches per step: divides every preset's batch
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -48,17 +49,27 @@ def _arguments(t: argparse.ArgumentParser, strategies: tuple[str, ...]) -> None:
     t.add_argument("--eval-every", type=int, default=25, help="validation loss every k steps (default 25)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--max-bytes", type=int, default=None, help="read only the first files, up to this many bytes")
-    t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (gradient accumulation; under pp the pipeline schedule's micro-batches)")
+    t.add_argument("--accumulate", type=int, default=None,
+                   help="micro-batches per step (gradient accumulation; under pp the pipeline schedule's micro-batches). "
+                        f"Default 1, and {PP_MICRO_BATCHES} under pp: a pipeline of one micro-batch has no overlap")
     t.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
     t.add_argument("--notebook", type=Path, default=None,
                    help="zero1/2/3: your lab notebook with the class (default: the shipped solution)")
+
+
+def accumulate(args: argparse.Namespace) -> int:
+    """--accumulate as given; if not given, 1, or under pp PP_MICRO_BATCHES (whatever the world size, so that a
+    pp run resumed on another number of stages keeps its micro-batches and its curve)."""
+    if args.accumulate is not None:
+        return args.accumulate
+    return PP_MICRO_BATCHES if args.strategy == "pp" else 1
 
 
 def config(args: argparse.Namespace) -> Any:
     from distlab.course.training import TrainConfig
     return TrainConfig(strategy=args.strategy, steps=args.steps, lr=args.lr, max_bytes=args.max_bytes,
                        eval_every=args.eval_every, ckpt_dir=str(args.out / "checkpoints"),
-                       ckpt_every=args.ckpt_every, resume=args.resume, accumulate=args.accumulate,
+                       ckpt_every=args.ckpt_every, resume=args.resume, accumulate=accumulate(args),
                        recompute=args.recompute, **PRESETS[args.preset])
 
 
@@ -77,7 +88,7 @@ def validate(args: argparse.Namespace) -> str | None:
     if cfg.batch_size % dp:
         return (f"the global batch of {cfg.batch_size} rows (preset {args.preset}) does not split over "
                 f"{dp} ranks (the data-parallel ones): use a world size that divides {cfg.batch_size}")
-    if args.steps < 1 or args.accumulate < 1 or (cfg.batch_size // dp) % args.accumulate:
+    if args.steps < 1 or cfg.accumulate < 1 or (cfg.batch_size // dp) % cfg.accumulate:
         return f"--steps must be >= 1 and --accumulate must divide each rank's {cfg.batch_size // dp} rows"
     if args.resume:
         path = ckpt.latest(cfg.ckpt_dir)
