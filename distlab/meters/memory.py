@@ -35,6 +35,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from contextlib import contextmanager
@@ -45,6 +46,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from distlab.meters.dispatch import EagerMode
+
+# A simulation (fake tensors, `distlab.course.sim`) is booked by its storages' addresses, as a real run is: torch
+# warns that a fake tensor's address is deprecated, once per process, into the learner's notebook. Only that one.
+warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor is deprecated")
 
 
 @dataclass(frozen=True)
