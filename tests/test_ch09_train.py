@@ -16,6 +16,7 @@ SMALL = ["--preset", "tiny", "--max-bytes", "200000", "--ckpt-every", "2", "--ev
     (["--strategy", "single", "--world-size", "2"], "one process"),
     (["--strategy", "ddp", "--world-size", "3"], "does not split over 3 ranks"),
     (["--strategy", "pp", "--world-size", "3"], "3 ranks would leave 1 stage(s) without a block"),
+    (["--strategy", "pp", "--world-size", "2", "--accumulate", "1"], "needs at least 2 micro-batches per step"),
     (["--strategy", "ddp", "--world-size", "2", "--resume"], "no complete checkpoint"),
 ])
 def test_bad_arguments_get_a_clear_error(tmp_path, capsys, argv, words):

@@ -81,7 +81,7 @@ def validate(args: argparse.Namespace) -> str | None:
     cfg = config(args)
     try:
         check_strategy(args.strategy, args.world_size, {"ShardedOptimizer": 0, "ZeRO2": 0, "ZeRO3": 0}, tp=cfg.tp,
-                       n_heads=cfg.n_heads, n_layers=cfg.n_layers)
+                       n_heads=cfg.n_heads, n_layers=cfg.n_layers, microbatches=cfg.accumulate)
     except ValueError as exc:
         return str(exc)
     dp = data_ranks(args.strategy, args.world_size, 0, cfg.tp)[1]      # the ranks that split the batch

@@ -46,7 +46,7 @@ def data_ranks(name: str, world_size: int, rank: int, tp: int = 2) -> tuple[int,
 
 
 def check_strategy(name: str, world_size: int, classes: dict[str, Any] | None = None, *, tp: int = 2,
-                   n_heads: int | None = None, n_layers: int | None = None) -> None:
+                   n_heads: int | None = None, n_layers: int | None = None, microbatches: int | None = None) -> None:
     """Raise ValueError, in a learner's words, unless `name` can run on `world_size` ranks."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
@@ -61,6 +61,11 @@ def check_strategy(name: str, world_size: int, classes: dict[str, Any] | None = 
         raise ValueError(f"strategy 'pp' cuts the model's {n_layers} blocks into one stage per rank: {world_size} "
                          f"ranks would leave {world_size - n_layers} stage(s) without a block. Use at most "
                          f"{n_layers} ranks, or a model with at least {world_size} layers (n_layers)")
+    if name == "pp" and microbatches is not None and microbatches < world_size:
+        # Schedule1F1B's warm-up hands each stage one micro-batch before any comes back: it needs m >= p
+        raise ValueError(f"strategy 'pp' on {world_size} stages needs at least {world_size} micro-batches per step "
+                         f"(1F1B fills the pipeline with one per stage), got {microbatches}: use accumulate "
+                         f"(--accumulate) of {world_size} or more, dividing each step's rows")
     t = tp_size(name, world_size, tp)
     if n_heads is not None and n_heads % t:
         raise ValueError(f"strategy {name!r} splits each layer's {n_heads} attention heads over {t} ranks: use a "
@@ -81,7 +86,8 @@ def wrap(name: str, model: nn.Module, *, lr: float, classes: dict[str, Any] | No
     Under `pp` the first is a `Pipeline` (its step is `pp.pipeline_step`), over `microbatches`."""
     import torch.distributed as dist
     n = dist.get_world_size() if dist.is_initialized() else 1
-    check_strategy(name, n, classes, tp=tp, n_heads=model.config.n_heads, n_layers=model.config.n_layers)
+    check_strategy(name, n, classes, tp=tp, n_heads=model.config.n_heads, n_layers=model.config.n_layers,
+                   microbatches=microbatches)
     if name == "single":
         return model, adamw(model.parameters(), lr), lambda on: None
     if name == "ddp":
