@@ -50,7 +50,7 @@ ONE_BY_ONE = {"allgather_into_tensor_coalesced": "_allgather_base",
 
 
 # -- framing: both directions ------------------------------------------------------------------------------
-def _read_exact(fd: int, n: int) -> bytes:
+def read_exact(fd: int, n: int) -> bytes:
     chunks, left = [], n
     while left:
         chunk = os.read(fd, min(left, 1 << 20))
@@ -76,16 +76,16 @@ def send_msg(fd: int, head: dict, blobs: list[bytes] = ()) -> None:
 
 
 def recv_msg(fd: int, max_bytes: int = 8 << 30) -> tuple[dict, list[bytes]]:
-    n_json, n_blobs = _HEAD.unpack(_read_exact(fd, _HEAD.size))
+    n_json, n_blobs = _HEAD.unpack(read_exact(fd, _HEAD.size))
     if n_json > MAX_JSON or n_blobs > 65536:
         raise ValueError("a request too large")
-    head = json.loads(_read_exact(fd, n_json))
+    head = json.loads(read_exact(fd, n_json))
     blobs = []
     for _ in range(n_blobs):
-        (size,) = _LEN.unpack(_read_exact(fd, _LEN.size))
+        (size,) = _LEN.unpack(read_exact(fd, _LEN.size))
         if size > max_bytes:
             raise ValueError("a tensor too large")
-        blobs.append(_read_exact(fd, size))
+        blobs.append(read_exact(fd, size))
     if type(head) is not dict:
         raise ValueError("a request that is not an object")
     return head, blobs

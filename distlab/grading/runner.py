@@ -46,7 +46,7 @@ from typing import Any
 import psutil
 
 from distlab.engine import procs
-from distlab.grading.broker import Brokers
+from distlab.grading.broker import Brokers, read_exact
 from distlab.grading.seccomp import no_dump
 
 _STARTED = time.monotonic()
@@ -270,14 +270,10 @@ def read_message(fd: int) -> Any:
         if not byte or len(digits) > 20:
             raise SystemExit("distlab grade: the runner's job was cut off")
         digits += byte
-    data, left = [], int(digits)
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            raise SystemExit("distlab grade: the runner's job was cut off")
-        data.append(chunk)
-        left -= len(chunk)
-    return json.loads(b"".join(data))
+    try:
+        return json.loads(read_exact(fd, int(digits)))
+    except EOFError:
+        raise SystemExit("distlab grade: the runner's job was cut off") from None
 
 
 def _send(fd: int, record: dict) -> None:
