@@ -167,7 +167,7 @@ PROBES: dict[str, Callable[[], str]] = {
     "loss_parallel (vocab-sharded cross-entropy)": _loss_parallel,
     "FSDP2 x TP on a 2 x 2 mesh": _fsdp_tp_2d,
     "bf16 all-reduce": _bf16_all_reduce,
-    "context_parallel (ring attention inside SDPA)": _context_parallel,
+    "context_parallel (causal attention inside SDPA)": _context_parallel,
 }
 
 
