@@ -70,14 +70,15 @@ def test_tp_step_peak_within_5_percent():
     h, a, s, n_layers, v = cfg.d_model, cfg.n_heads, cfg.seq_len, cfg.n_layers, cfg.vocab_size
     act = n_layers * th.activation_bytes_per_layer(s, b, h, a, t=t, bytes_per_element=4, dropout=False,
                                                    layernorm_stats=True)
-    # A second launch only when the first read one extra storage: a full suite on a loaded machine once
-    # booked 32 KiB more than the model (gloo's worker still holding a dropped temporary past the meter's
-    # grace, see meters.memory GRACE_S). An exact miss twice in a row still fails.
+    peak = th.lm_train_peak_bytes(b, s, h, a, n_layers, v, t, buffer_bytes=n_layers * s * s)
+    # A second launch only when the first read one extra storage: full suites on the loaded CI machine
+    # booked 32 KiB more than the model, once in the activations and once in the step's peak (1,641,264 B
+    # for 1,608,224: one b*s*h fp32 activation and 272 B of scalars), gloo's worker still holding a dropped
+    # temporary past the meter's grace (see meters.memory GRACE_S). An exact miss twice in a row still fails.
     for attempt in range(2):
         run = distlab.launch(tp_model_run, t, args=(parallelize, "tp-small", b, 2, 1, 1))[0]
-        if run["act"] == act:
+        if run["act"] == act and run["peak"] / peak == pytest.approx(1, abs=0.001):
             break
-    peak = th.lm_train_peak_bytes(b, s, h, a, n_layers, v, t, buffer_bytes=n_layers * s * s)
     assert run["peak"] / peak == pytest.approx(1, abs=0.05)
     assert run["peak"] / peak == pytest.approx(1, abs=0.001)          # on CPU ranks, all but a few scalars
     assert run["act"] == act
