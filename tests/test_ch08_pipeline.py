@@ -8,8 +8,9 @@ import torch
 from distlab.meters import Span, Timeline
 from distlab.course.models import build_model, lm_loss, num_params, synthetic_batch
 from distlab.course.offload import host_device_split, host_like, track_transfers
-from distlab.course.pipeline.stages import (FixedCost, activation_bytes, activation_shape, bubble, build_stage, idle_fractions,
-                              stage_layers, stage_loss)
+from distlab.course.pipeline.bubble import bubble, idle_fractions
+from distlab.course.pipeline.fixed_cost import FixedCost
+from distlab.course.pipeline.stages import activation_bytes, activation_shape, build_stage, stage_layers, stage_loss
 
 
 def test_stages_cover_the_model_and_share_its_weights():
@@ -98,7 +99,7 @@ def test_transfer_meter_counts_copies_between_model_and_host():
 
 
 def test_step_window_busy_time_and_the_overhead_fit():
-    from distlab.course.pipeline.stages import bubble_with_overhead, busy_per_microbatch, slot_overhead, step_window
+    from distlab.course.pipeline.bubble import bubble_with_overhead, busy_per_microbatch, slot_overhead, step_window
     from distlab.theory.pipeline import bubble_fraction
     spans = [Span(0, "F0", "compute", 0.0, 1.0), Span(0, "B0", "compute", 3.0, 4.0),
              Span(1, "F0", "compute", 1.0, 3.0)]

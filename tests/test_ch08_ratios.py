@@ -95,7 +95,8 @@ def _torch_schedule(name, v, m, cost, repeats):
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from distlab.course.pipeline.pipelining import run_steps, timed
-    from distlab.course.pipeline.stages import FixedCost, build_stage, stage_loss
+    from distlab.course.pipeline.fixed_cost import FixedCost
+    from distlab.course.pipeline.stages import build_stage, stage_loss
     from distlab.meters import Timeline
     r, p = distlab.rank(), distlab.world_size()
     n = p * v
@@ -114,7 +115,7 @@ def test_torch_multi_chunk_schedules_match_one_process_and_their_own_tables():
     from distlab.course.models import build_model, lm_loss
     from distlab.course.pipeline.pipelining import torch_order
     from distlab.course.pipeline.simulate import simulate
-    from distlab.course.pipeline.stages import bubble
+    from distlab.course.pipeline.bubble import bubble
     cost, m = 0.02, 4
     whole = build_model("tiny", n_layers=8, device="cpu")
     x, y = synthetic_batch(0, 2 * m, whole.config, device="cpu")

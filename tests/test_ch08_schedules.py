@@ -10,7 +10,9 @@ import torch
 
 from distlab.course.models import synthetic_batch
 from distlab.course.pipeline import simulate as sim
-from distlab.course.pipeline.stages import FixedCost, activation_shape, bubble, build_stage, stage_loss
+from distlab.course.pipeline.bubble import bubble
+from distlab.course.pipeline.fixed_cost import FixedCost
+from distlab.course.pipeline.stages import activation_shape, build_stage, stage_loss
 from distlab.meters import Timeline
 from distlab.theory import pipeline as pt
 
@@ -106,9 +108,9 @@ class _Clock:
 
 
 def test_fixed_cost_replaces_the_compute_it_stands_for(monkeypatch):
-    import distlab.course.pipeline.stages as stages
+    import distlab.course.pipeline.fixed_cost as fixed_cost
     clock = _Clock()
-    monkeypatch.setattr(stages, "time", clock)
+    monkeypatch.setattr(fixed_cost, "time", clock)
     stage = build_stage("tiny", 1, 2, n_layers=2, device="cpu")
     body, compute = stage.body, {"s": 0.01}
     stage.body = lambda h: (clock.sleep(compute["s"]), body(h))[1]
@@ -128,7 +130,7 @@ def test_backward_span_starts_after_the_received_gradient_has_landed(monkeypatch
     """On NCCL a recv's wait() returns before the data is on the GPU; `settle` (an event on the stage's stream)
     waits for it. A backward stamped before that counts the wait for the message as backward time (the bubble
     reads low)."""
-    import distlab.course.pipeline.stages as stages
+    import distlab.course.pipeline.fixed_cost as fixed_cost
     landed = []
     pending = {"recv": False}
 
@@ -138,7 +140,7 @@ def test_backward_span_starts_after_the_received_gradient_has_landed(monkeypatch
             pending["recv"] = False
             landed.append(time.perf_counter())
 
-    monkeypatch.setattr(stages, "settle", settle)
+    monkeypatch.setattr(fixed_cost, "settle", settle)
     stage = build_stage("tiny", 1, 2, n_layers=2, device="cpu")
     tl = Timeline(rank=0, device="cpu")
     timed = FixedCost(stage, 0.0, 0.01, 0.0, timeline=tl)

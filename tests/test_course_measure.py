@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from distlab.course.pipeline import calibration, mesh3d, offloaded, pipelining
+from distlab.course.pipeline import bubble, calibration, fixed_cost, mesh3d, offloaded, pipelining, stages
 from distlab.course.pipeline import measure as pp_measure
 from distlab.course.pipeline import runner as pp_runner
 from distlab.course.tensor_parallel import dropout_rng, measure_cp
@@ -25,9 +25,10 @@ def _public_functions(module):
             if inspect.isfunction(f) and not name.startswith("_") and f.__module__ == module.__name__]
 
 
-@pytest.mark.parametrize("module", [tp_measure, measure_cp, dropout_rng, pp_runner, pipelining, offloaded, calibration],
+@pytest.mark.parametrize("module", [tp_measure, measure_cp, dropout_rng, pp_runner, pipelining, offloaded, calibration,
+                                    stages, fixed_cost, bubble],
                          ids=["tensor_parallel", "context_parallel", "dropout_rng", "pipeline runner",
-                              "pipelining", "offload", "calibration"])
+                              "pipelining", "offload", "calibration", "stages", "fixed_cost", "bubble"])
 def test_every_function_is_documented_and_typed(module):
     functions = _public_functions(module)
     assert functions

@@ -173,7 +173,8 @@ def test_a_late_peer_on_nccl_is_not_a_hang(no_orphans):
 def _stage_waits_on_its_stream():
     import time
 
-    from distlab.course.pipeline.stages import FixedCost, build_stage
+    from distlab.course.pipeline.fixed_cost import FixedCost
+    from distlab.course.pipeline.stages import build_stage
     r, dev = distlab.rank(), distlab.device()
     warm = torch.zeros(1, device=dev)
     if r == 1:

@@ -145,7 +145,8 @@ def test_pipeline_stages_wait_on_their_stream_not_the_whole_device(monkeypatch):
     import torch
 
     from distlab.course.models import synthetic_batch
-    from distlab.course.pipeline.stages import FixedCost, build_stage
+    from distlab.course.pipeline.fixed_cost import FixedCost
+    from distlab.course.pipeline.stages import build_stage
 
     def device_wide(*args, **kwargs):
         raise AssertionError("a device-wide synchronise inside a pipeline stage")

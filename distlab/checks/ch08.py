@@ -213,7 +213,7 @@ def schedule_exercise(kind: str, case: Case, fn: Any) -> list:
 
 def schedule_judge(kind: str, case: Case, outputs: list, reference: Any) -> list[Line]:
     from distlab.course.pipeline.simulate import simulate
-    from distlab.course.pipeline.stages import bubble
+    from distlab.course.pipeline.bubble import bubble
     from distlab.theory.pipeline import bubble_fraction, zero_bubble_fraction
     p, m, v = case.args["p"], case.args["m"], case.args["v"]
     tables = outputs[0]

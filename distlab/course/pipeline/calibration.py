@@ -10,7 +10,7 @@ import statistics
 from typing import Any, Callable, Mapping, Sequence
 
 from distlab.course.pipeline.runner import Schedule
-from distlab.course.pipeline.stages import _rows
+from distlab.course.pipeline.bubble import _rows
 
 
 def runner_message_costs(per_rank: Sequence[Mapping[Any, Any]], name: str, m: int, schedule: Schedule,

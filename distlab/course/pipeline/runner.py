@@ -8,7 +8,7 @@
 These functions build each rank's stage, run the runner's steps under the meters and read the timelines;
 the schedule tables and the runner that sends and receives come in as arguments. Traffic from `track_comm`
 (point-to-point sends between neighbouring stages), memory from `track_memory`, timelines from
-`distlab.meters.Timeline` (stages cost a fixed, calibrated sleep: `distlab.course.pipeline.stages.FixedCost`).
+`distlab.meters.Timeline` (stages cost a fixed, calibrated sleep: `distlab.course.pipeline.fixed_cost.FixedCost`).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.course.models import PRESETS, synthetic_batch
-from distlab.course.pipeline.stages import (FixedCost, activation_bytes, activation_shape, backward_transient_bytes,
-                                            bubble, build_stage, busy_per_microbatch, step_window)
+from distlab.course.pipeline.bubble import bubble, busy_per_microbatch, step_window
+from distlab.course.pipeline.fixed_cost import FixedCost
+from distlab.course.pipeline.stages import activation_bytes, activation_shape, backward_transient_bytes, build_stage
 from distlab.engine import runtime as rt
 from distlab.meters import Timeline, time_call, track_comm, track_memory
 
