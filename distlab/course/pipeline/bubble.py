@@ -11,20 +11,33 @@ def _rows(spans: Iterable[Any]) -> list[Mapping[str, Any]]:
     return [s if isinstance(s, Mapping) else s.__dict__ for s in spans]
 
 
-def idle_fractions(spans: Iterable[Any]) -> dict[int, float]:
-    """Per rank: the share of the step window it spent outside compute spans.
-
-    The window runs from the first compute span's start to the last one's end,
-    over all ranks (one step). Waiting for a message counts as idle.
-    """
+def _compute_rows(spans: Iterable[Any]) -> list[Mapping[str, Any]]:
     rows = [r for r in _rows(spans) if r["kind"] == "compute"]
     if not rows:
         raise ValueError("no compute spans")
-    t0, t1 = min(r["start"] for r in rows), max(r["end"] for r in rows)
+    return rows
+
+
+def _busy(rows: list[Mapping[str, Any]]) -> dict[int, float]:
+    """Per rank, in rank order: seconds inside compute spans."""
     busy: dict[int, float] = {}
     for r in rows:
         busy[r["rank"]] = busy.get(r["rank"], 0.0) + (r["end"] - r["start"])
-    return {k: 1.0 - v / (t1 - t0) for k, v in sorted(busy.items())}
+    return dict(sorted(busy.items()))
+
+
+def step_window(spans: Iterable[Any]) -> float:
+    """Seconds from the first compute span's start to the last one's end, over all ranks: one step."""
+    rows = _compute_rows(spans)
+    return max(r["end"] for r in rows) - min(r["start"] for r in rows)
+
+
+def idle_fractions(spans: Iterable[Any]) -> dict[int, float]:
+    """Per rank: the share of the step window (`step_window`) it spent outside compute spans.
+    Waiting for a message counts as idle."""
+    rows = _compute_rows(spans)
+    window = step_window(rows)
+    return {k: 1.0 - v / window for k, v in _busy(rows).items()}
 
 
 def bubble(spans: Iterable[Any]) -> float:
@@ -32,24 +45,10 @@ def bubble(spans: Iterable[Any]) -> float:
     return statistics.fmean(idle_fractions(spans).values())
 
 
-def step_window(spans: Iterable[Any]) -> float:
-    """Seconds from the first compute span's start to the last one's end, over all ranks: one step."""
-    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
-    if not rows:
-        raise ValueError("no compute spans")
-    return max(r["end"] for r in rows) - min(r["start"] for r in rows)
-
-
 def busy_per_microbatch(spans: Iterable[Any], m: int) -> float:
     """Seconds of compute per micro-batch, averaged over ranks: each rank's forward + backward of one
     micro-batch as it really ran (sleeps included, and whatever stretched them)."""
-    rows = [r for r in _rows(spans) if r["kind"] == "compute"]
-    busy: dict[int, float] = {}
-    for r in rows:
-        busy[r["rank"]] = busy.get(r["rank"], 0.0) + (r["end"] - r["start"])
-    if not busy:
-        raise ValueError("no compute spans")
-    return statistics.fmean(busy.values()) / m
+    return statistics.fmean(_busy(_compute_rows(spans)).values()) / m
 
 
 def slot_overhead(steps: Iterable[tuple[int, float, float]], p: int) -> float:
