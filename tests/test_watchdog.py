@@ -221,3 +221,20 @@ def test_an_nccl_ranks_watch_thread_ends_the_rank_with_a_stall_report(tmp_path, 
     err = cloudpickle.loads((tmp_path / "rank0.err").read_bytes())
     assert err["type"] == "CollectiveTimeout" and err["message"].startswith("rank 0: all_reduce #1 (inputs [[1]]")
     assert Status.parse((tmp_path / "rank0.watch").read_text()).waiting
+
+
+def test_a_rank_sampled_inside_the_standard_library_is_placed_at_the_learners_line():
+    # CI caught a busy ring sampled inside batch_isend_irecv's coalescing manager: contextlib's
+    # __enter__ was innermost and was named as the place, the learner's line only as its caller.
+    import contextlib
+    stack = "\n".join([
+        "Thread 0x01 (most recent call first):",
+        f'  File "{contextlib.__file__}", line 137 in __enter__',
+        f'  File "{dist.__file__}", line 2700 in batch_isend_irecv',
+        '  File "/tmp/ipykernel_1/cell.py", line 8 in ring_all_gather',
+        '  File "/tmp/ipykernel_1/run.py", line 3 in main',
+    ])
+    assert launch_mod._innermost(stack) == ("ring_all_gather (a notebook cell, line 8), "
+                                           "called from main (a notebook cell, line 3)")
+    assert launch_mod._library(contextlib.__file__) and launch_mod._library(dist.__file__)
+    assert not launch_mod._library("/tmp/ipykernel_1/cell.py")

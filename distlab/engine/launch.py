@@ -46,6 +46,7 @@ import pickle
 import shutil
 import signal
 import sys
+import sysconfig
 import tempfile
 import time
 import types
@@ -226,15 +227,28 @@ def _c10d_call(stack: str) -> str:
     return ""
 
 
+# Where Python's own modules live: a rank sampled inside `contextlib` (batch_isend_irecv's coalescing
+# manager), `threading` or `multiprocessing` is still at the learner's line that called it.
+_STDLIB = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
+_LIBRARY = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep,
+            os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def _library(path: str) -> bool:
+    """Whether a frame's file is library code (torch, distlab, any installed package, Python's standard
+    library, the fork server's own `-c` code) rather than the learner's."""
+    if path == "<string>" or path.startswith("<frozen"):
+        return True
+    return any(e in path for e in _LIBRARY) or os.path.realpath(path).startswith(_STDLIB)
+
+
 def _innermost(stack: str) -> str:
     """'fn (cell [13], line 9: `source`)' of the innermost frame of a faulthandler dump that is the
     learner's own (not torch's, not distlab's), with its caller when that is the learner's too; else
     the innermost distlab frame."""
     frames = _frames(stack)
-    engine = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep, os.sep + "multiprocessing" + os.sep)
     # faulthandler prints the innermost frame first.
-    mine = [(path, lineno, fn) for path, lineno, fn in frames if not any(e in path for e in engine)
-            and path != "<string>" and not path.startswith("<frozen")]   # the fork server's own `-c` code
+    mine = [(path, lineno, fn) for path, lineno, fn in frames if not _library(path)]
     if mine:
         # A small helper of the learner's (a `p2p` that posts and waits) is where the rank waits, its caller
         # is the line to fix: name both.
