@@ -94,7 +94,8 @@ def test_a_busy_loop_is_stopped_as_a_livelock_naming_its_line(no_orphans, monkey
     start = time.monotonic()
     out = _lines(run("01_collectives", "all_gather", answers("01_collectives", replace={"ring_all_gather": BUSY})))
     took = time.monotonic() - start
-    assert took < 30, took
+    # CPU time bounds the loop, so its wall time grows with the machine's load; far under the case's cap
+    assert took < 90, took
     head = f"FAIL all_gather, 2 ranks, values: never finished: rank(s) [0, 1] were still working after "
     assert out[0].startswith(head + f"{LIVELOCK_FLOOR_S:g} s of CPU time"), out[0]
     assert "(case: 1 element, float32)" in out[0]

@@ -49,13 +49,15 @@ def _agents(job: Path, out: Path, *extra: str, steps: int = 3, nproc: int = 2) -
     return procs
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
+def _finish(procs: list[subprocess.Popen], timeout: float = 240, after_failure: float = 30) -> list[int | None]:
+    """Each agent's exit code, None for one still running when waiting ended: at `timeout`, or
+    `after_failure` s after an agent failed (the others would wait out torchrun's 300 s exit barrier)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + after_failure)
+        time.sleep(0.2)
+    codes = [p.poll() for p in procs]
     for p in procs:   # whatever happened, nothing of the job stays behind
         try:
             os.killpg(p.pid, signal.SIGKILL)
@@ -154,3 +156,28 @@ def test_a_failing_rank_names_its_node_and_a_killed_agent_ends_the_job(tmp_path)
     while _job_processes(job) and time.monotonic() < deadline:
         time.sleep(0.5)   # the killed agent's orphans notice their peers are gone
     assert not _job_processes(job)
+
+
+def test_the_rank_watchdog_is_joined_before_the_rank_exits():
+    # A daemon thread left inside a store call when the interpreter finalizes is unwound through C++:
+    # "terminate called without an active exception", SIGABRT after the job's work was done (seen on a
+    # loaded box: rank 0 aborted, torchrun failed the job and the other node waited out its exit barrier).
+    import threading
+
+    from distlab.apps.cluster import Watchdog
+
+    class SlowStore:
+        inside = threading.Event()
+
+        def set(self, key, value):
+            self.inside.set()
+            time.sleep(0.5)
+
+        def check(self, keys):
+            return False
+
+    dog = Watchdog(SlowStore(), {"world_size": 1, "rank": 0}, stall=100, period=0.01)
+    dog.start()
+    assert SlowStore.inside.wait(10)
+    dog.stop()
+    assert not dog.is_alive()

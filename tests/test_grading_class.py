@@ -577,7 +577,7 @@ def test_results_that_could_stop_the_grader_zero_their_submission_and_the_run_wr
 
 
 @needs_bwrap
-def test_a_busy_loop_is_stopped_with_a_verdict_naming_its_line_within_30_s(graded):
+def test_a_busy_loop_is_stopped_with_a_verdict_naming_its_line_long_before_the_cap(graded):
     # issue 34: a ring whose step is never increased keeps both ranks busy, sending and receiving forever. The
     # grader stops the case at the notebook's livelock bound (10x the reference's time, at least 6 CPU s per
     # rank), not at the 180 s cap, and names the line each rank was at.
@@ -596,7 +596,9 @@ def test_a_busy_loop_is_stopped_with_a_verdict_naming_its_line_within_30_s(grade
         at = re.findall(r"rank \d was at \w+ \(answer cell " + re.escape(cell.id) + r", line (\d+)\)", v.reason)
         assert at and all(int(n) in loop for n in at), (v.reason, list(loop))       # a line of the loop
         stopped = re.search(r"\(stopped (\d+) s after the case started\)", v.reason)
-        assert stopped and int(stopped.group(1)) <= 30, v.reason
+        # The bound is CPU time, so the wall time to reach it grows with the machine's load (39 s seen with
+        # the whole suite pinned to one core): half the 180 s cap tells the CPU bound from the cap.
+        assert stopped and int(stopped.group(1)) <= 90, v.reason
 
 
 @needs_bwrap

@@ -125,6 +125,12 @@ class Watchdog(threading.Thread):
             elif now - last_work >= self.stall:
                 self._give_up(lost=False)
 
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the watch and wait for its thread: at most one store call (milliseconds) is in flight."""
+        self.done.set()
+        if self.is_alive():
+            self.join(timeout)
+
     def _give_up(self, lost: bool, orphaned: bool = False) -> None:
         m = self.me
         why = ("its torchrun agent died (the node is going away)" if orphaned else
@@ -272,7 +278,10 @@ def main(labs: str | list[str], answers: ModuleType | list[ModuleType], argv: li
                              f"{me['local_rank']}) failed: {type(exc).__name__}: {str(exc)[:500]}\n")
             raise
         finally:
-            dog.done.set()
+            # Joined, not left running: a daemon thread caught inside a store call when the interpreter
+            # finalizes is unwound through C++ and aborts the rank ("terminate called without an active
+            # exception", SIGABRT) after its work is done, and torchrun then fails the whole job.
+            dog.stop()
 
     distlab.run_under_torchrun(job)
     return 0
