@@ -181,3 +181,15 @@ def test_the_rank_watchdog_is_joined_before_the_rank_exits():
     assert SlowStore.inside.wait(10)
     dog.stop()
     assert not dog.is_alive()
+
+
+def test_a_torchrun_rank_ends_without_finalizing_the_interpreter(tmp_path):
+    # cluster.main and `python -m distlab.apps.train` end their ranks with end_rank: output flushed, the
+    # exit code kept, and no interpreter shutdown (an atexit handler stands for it) while gloo may still run.
+    code = ("import atexit, sys\nfrom distlab.engine.runtime import end_rank\n"
+            "atexit.register(lambda: open(sys.argv[1], 'w').write('finalized'))\n"
+            "print('trained', end='')\nsys.stderr.write('note')\nend_rank(3)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "marker")], capture_output=True, text=True,
+                       timeout=120)
+    assert (p.returncode, p.stdout, p.stderr) == (3, "trained", "note")
+    assert not (tmp_path / "marker").exists()

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
+from distlab.engine.runtime import end_rank
 from distlab.meters import model_state, sync, track_comm, track_memory
 from distlab.course.models import PRESETS, build_model, lm_loss, num_params, split_batch, synthetic_batch, train_reference
 from distlab.theory import comm_bytes_per_rank
@@ -284,4 +285,5 @@ def main(labs: str | list[str], answers: ModuleType | list[ModuleType], argv: li
             dog.stop()
 
     distlab.run_under_torchrun(job)
+    end_rank(0)   # never returns: the rank ends without finalizing the interpreter (see end_rank)
     return 0

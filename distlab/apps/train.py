@@ -209,4 +209,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from distlab.engine.runtime import end_rank
+    end_rank(main())   # under torchrun: the rank ends without finalizing the interpreter (see end_rank)

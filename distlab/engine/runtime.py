@@ -132,7 +132,7 @@ def run_under_torchrun(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run `fn` as one rank of a `torchrun` job (env:// rendezvous).
 
     Picks NCCL when this node has a GPU for every local rank, gloo otherwise,
-    and always tears the group down.
+    and always tears the group down. A job script ends its rank with `end_rank` afterwards.
     """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     use_nccl = (torch.cuda.is_available() and dist.is_nccl_available()
@@ -152,6 +152,20 @@ def run_under_torchrun(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     finally:
         dist.destroy_process_group()
+
+
+def end_rank(code: int = 0) -> None:
+    """End a torchrun rank after `run_under_torchrun`: flush, then `os._exit(code)`, as `distlab.launch`'s
+    ranks end. Python's own shutdown would finalize the interpreter while the process group may still run:
+    learner code that keeps its module alive through a gradient hook (a cycle through C++ that the garbage
+    collector cannot see) keeps the group too, and gloo's three threads outlive `destroy_process_group`
+    (measured after the DDP lab's measurement). A gloo thread that drops its last op's tensors late then
+    needs the GIL of a finalized interpreter, and the rank aborts (SIGABRT, "terminate called without an
+    active exception") after its work is done: torchrun fails the job, and the other nodes wait out their
+    exit barrier."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _to_cpu(value: Any) -> Any:
