@@ -112,6 +112,27 @@ def test_slow_but_progressing_ranks_are_never_stopped(no_orphans):
     assert distlab.launch(_slow_but_working, 2, args=(4.0,), stall=2) == [2.0, 2.0]   # two stall windows of work
 
 
+def test_a_process_whose_worker_thread_is_runnable_is_not_idle():
+    # A rank's main thread waits on gloo's worker thread (state S) while the worker computes or waits for
+    # a core (R): the process counts as working, whatever its main thread's state.
+    import subprocess
+    import sys
+    from distlab.engine import procs
+    spin = "import threading\ndef f():\n    while True:\n        pass\nt = threading.Thread(target=f)\nt.start(); t.join()"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(1.0)
+        p, q = psutil.Process(busy.pid), psutil.Process(idle.pid)
+        assert p.status() == psutil.STATUS_SLEEPING                  # the main thread, in join
+        assert any(procs.runnable(p) for _ in range(200))           # the spinning thread, R when sampled
+        assert not any(procs.runnable(q) for _ in range(20))
+    finally:
+        for child in (busy, idle):
+            child.kill()
+            child.wait()
+
+
 def test_cap_still_ends_a_launch_that_works_forever(no_orphans):
     start = time.monotonic()
     with pytest.raises(distlab.LaunchTimeout) as info:

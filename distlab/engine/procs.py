@@ -82,6 +82,26 @@ def become_subreaper() -> bool:
         return False
 
 
+def runnable(p: psutil.Process) -> bool:
+    """Whether some thread of `p` is runnable now (state R). The process's own state is its main thread's:
+    a rank whose main thread waits on gloo's worker while that worker waits for a core reads S, and on a
+    machine with one core for many ranks its share stays under `min_share` (a busy ring was reported hung
+    so, with the suite pinned to one core)."""
+    try:
+        tids = os.listdir(f"/proc/{p.pid}/task")
+    except OSError:   # no /proc (macOS): the process's state
+        return p.status() == psutil.STATUS_RUNNING
+    for tid in tids:
+        try:
+            with open(f"/proc/{p.pid}/task/{tid}/stat") as f:
+                # "tid (comm) S ...": the state follows the last ')', as comm may hold either parenthesis
+                if f.read().rsplit(")", 1)[1].split()[0] == "R":
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
 class ProgressMonitor:
     """Says whether a group of processes did any work since the last look.
 
@@ -90,8 +110,8 @@ class ProgressMonitor:
     here: 0.01 s of CPU per 2 s, 0.5% of a core, for a rank blocked in
     `recv`). So: a look at least `interval_s` after the previous one finds
     work when some process of the tree used more than `min_share` of a core
-    since then, or is runnable now (state R: starved of CPU on a busy
-    machine is not stuck). No work on every look for a whole stall window
+    since then, or has a thread runnable now (state R: starved of CPU on a
+    busy machine is not stuck). No work on every look for a whole stall window
     means stuck, however slow the machine is. `cpu_s[pid]` is the CPU time the
     tree of each watched process had used at the latest look (the launcher's
     work cap, for a livelock: busy, never done).
@@ -117,7 +137,7 @@ class ProgressMonitor:
                 try:
                     t = p.cpu_times()
                     cpu[p.pid] = t.user + t.system
-                    running = p.status() == psutil.STATUS_RUNNING
+                    running = runnable(p)
                 except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                     continue
                 self.cpu_s[root] += cpu[p.pid]
