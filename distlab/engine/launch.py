@@ -46,7 +46,6 @@ import pickle
 import shutil
 import signal
 import sys
-import sysconfig
 import tempfile
 import time
 import types
@@ -58,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.engine import procs
+from distlab.engine.libpaths import library_roots
 from distlab.engine import runtime as _runtime
 from distlab.engine import strict as _strict
 from distlab.engine import watchdog as _watchdog
@@ -227,9 +227,9 @@ def _c10d_call(stack: str) -> str:
     return ""
 
 
-# Where Python's own modules live: a rank sampled inside `contextlib` (batch_isend_irecv's coalescing
-# manager), `threading` or `multiprocessing` is still at the learner's line that called it.
-_STDLIB = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
+# Library code: a rank sampled inside `contextlib` (batch_isend_irecv's coalescing manager), `threading`,
+# `multiprocessing` or an installed package is still at the learner's line that called it.
+_LIBRARY_ROOTS = library_roots()[0]
 _LIBRARY = (os.sep + "torch" + os.sep, os.sep + "distlab" + os.sep,
             os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
@@ -239,7 +239,7 @@ def _library(path: str) -> bool:
     library, the fork server's own `-c` code) rather than the learner's."""
     if path == "<string>" or path.startswith("<frozen"):
         return True
-    return any(e in path for e in _LIBRARY) or os.path.realpath(path).startswith(_STDLIB)
+    return any(e in path for e in _LIBRARY) or os.path.realpath(path).startswith(_LIBRARY_ROOTS)
 
 
 def _innermost(stack: str) -> str:

@@ -55,6 +55,8 @@ import os
 import sys
 from typing import Any
 
+from distlab.engine.libpaths import library_roots
+
 # Events booked whenever learner code is anywhere on the stack (see the module docstring) ...
 ANYWHERE = frozenset({
     "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
@@ -84,17 +86,6 @@ TEST_MODULES = frozenset({"_testcapi", "_testinternalcapi", "_testbuffer", "_tes
 WATCHED_IMPORTS = frozenset({"ctypes", "_ctypes", "gc", "inspect", "subprocess", "socket", "pty", "signal",
                              "multiprocessing", "_posixsubprocess", "mmap", "resource", "fcntl"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-
-def trusted_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(library roots: stdlib, site-packages, the distlab package; stdlib roots only)."""
-    import site
-    import sysconfig
-    paths = sysconfig.get_paths()
-    stdlib = os.path.realpath(paths["stdlib"]) + os.sep
-    pkg = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)) + os.sep
-    sites = {os.path.realpath(p) + os.sep for p in (paths["purelib"], paths["platlib"], *site.getsitepackages())}
-    return tuple(sorted({stdlib, pkg, *sites})), (stdlib,)
 
 
 def frozen_codes() -> frozenset:
@@ -175,7 +166,7 @@ def install(stream_path: str, trusted_codes: dict[str, Any], snapshot_modules: t
     from distlab.grading.pgmeter import Failed
 
     frame_setters = _take_frame_callbacks()
-    libs, stdlib = trusted_roots()
+    libs, stdlib = library_roots()
     frozen = frozen_codes()
     tmp = os.path.realpath(__import__("tempfile").gettempdir()) + os.sep
     # the checkout (package, labs, solutions, a venv) may itself live under the temporary folder (a CI clone in
